@@ -1,0 +1,63 @@
+# rlkube developer entry points. `make demo` and `make test` are the two a newcomer needs.
+SHELL := /bin/bash
+export PYTHONSAFEPATH := 1
+VENV := .venv
+PY := $(VENV)/bin/python
+PYTEST := $(VENV)/bin/pytest
+DEVCLUSTER := $(VENV)/bin/rlkube-devcluster
+NODES ?= 4
+GPUS_PER_NODE ?= 8
+
+.PHONY: help venv cluster-build cluster-up cluster-down crds lint typecheck test test-fast demo \
+        bench-operator bench-weights bench-gpu clean
+
+help:
+	@echo "make demo           run the main job locally (control plane + operator + trainer, no GPU)"
+	@echo "make test           build/reuse everything and run every test (what CI runs)"
+	@echo "make lint           ruff + mypy + helm lint"
+	@echo "make cluster-up     start the local control plane (.devcluster/kubeconfig)"
+	@echo "make cluster-down   stop it and remove its state"
+	@echo "make crds           regenerate crds/ and the chart's CRD from the pydantic models"
+	@echo "make bench-operator / bench-weights / bench-gpu   benchmarks (JSON in bench/results/)"
+
+$(PY): pyproject.toml .ci/python-env.sh
+	bash .ci/python-env.sh
+	@touch $(PY)
+
+venv: $(PY)
+
+cluster-build:
+	bash tests/cluster/tools/build.sh
+
+cluster-up: venv cluster-build
+	$(DEVCLUSTER) up --nodes $(NODES) --gpus-per-node $(GPUS_PER_NODE)
+
+cluster-down: venv
+	$(DEVCLUSTER) down
+
+crds: venv
+	$(PY) -m rlkube.api.crd --write
+
+lint: venv
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy runtime operator tests/cluster/devcluster
+
+test: venv cluster-build
+	$(PYTEST) -p no:cacheprovider tests
+
+demo: venv cluster-build
+	$(PY) -m rlkube.demo
+
+bench-operator: venv cluster-build
+	$(PY) bench/operator_bench.py
+
+bench-weights: venv
+	$(PY) bench/weights_bench.py
+
+bench-gpu:
+	@echo "bench-gpu runs on the GPU machine through the device tool: see docs/benchmarks.md"
+	bash bench/gpu/run.sh
+
+clean:
+	rm -rf .devcluster build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache
