@@ -21,7 +21,10 @@ if ! command -v uv >/dev/null; then
   "$PYTHON" -m pip install -q uv
 fi
 
-key=$(cat "$top/pyproject.toml" "$0" | sha256sum | cut -c1-12)
+# Keyed by the dependency lists (not the whole pyproject) and this script, so editing the package
+# list or tool settings reuses the env.
+deps=$("$PYTHON" -P -c 'import sys,tomllib,json; p=tomllib.load(open(sys.argv[1],"rb"))["project"]; print(json.dumps([p.get("dependencies"), p.get("optional-dependencies")], sort_keys=True))' "$top/pyproject.toml")
+key=$( (echo "$deps"; cat "$0") | sha256sum | cut -c1-12)
 venv="$cache/venv-$key"
 if [ ! -x "$venv/bin/python" ] || [ ! -f "$venv/.complete" ]; then
   echo "[python-env] building $venv (cold: ~5 min, mostly downloads)"
