@@ -1,0 +1,450 @@
+"""Derive an RLJob's phase and conditions from what KubeRay and the kubelet report.
+
+Pure: no I/O, no clock (``now`` is passed in), inputs are plain API dicts (RayJob, RayCluster, pods,
+Warning events). KubeRay's RayJob has no conditions and never surfaces pod-level failures, so this is
+where "why is my job not running" gets its answer: the scheduler's Unschedulable message, image-pull
+and crash-loop reasons from container statuses, deadline expiry from the RayJob's own reason.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from datetime import datetime
+from typing import Any, Literal
+
+Phase = Literal["Pending", "Provisioning", "Running", "Succeeded", "Failed", "Suspended"]
+CondStatus = Literal["True", "False", "Unknown"]
+
+CONDITION_TYPES: tuple[str, ...] = ("Valid", "ClusterReady", "Running", "Succeeded", "Failed", "Suspended")
+
+# Container waiting reasons that mean "this pod will not start without a change", most specific first.
+_IMAGE_PULL_REASONS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
+_CONFIG_REASONS = ("CreateContainerConfigError", "CreateContainerError", "RunContainerError")
+# KubeRay v1.5 jobDeploymentStatus values.
+_DEPLOYMENT_FAILED = ("Failed", "ValidationFailed")
+_DEPLOYMENT_SUSPENDED = ("Suspending", "Suspended")
+# Events worth carrying to the RLJob when pod status alone says nothing (e.g. quota, mounts).
+_EVENT_REASONS = ("FailedScheduling", "FailedMount", "FailedAttachVolume", "FailedCreate", "FailedCreatePod")
+
+
+@dataclass(frozen=True)
+class Condition:
+    """One entry of ``status.conditions`` (Kubernetes convention, keyed by type)."""
+
+    type: str
+    status: CondStatus
+    reason: str
+    message: str = ""
+    last_transition_time: str = ""
+    observed_generation: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "type": self.type,
+            "status": self.status,
+            "reason": self.reason,
+            "message": self.message,
+            "lastTransitionTime": self.last_transition_time,
+        }
+        if self.observed_generation is not None:
+            out["observedGeneration"] = self.observed_generation
+        return out
+
+
+@dataclass(frozen=True)
+class Observed:
+    """Everything the status is derived from, gathered by the operator's watch cache."""
+
+    generation: int
+    suspend: bool = False
+    # None: not validated yet; []: valid; else one message per field error (field named, fix said).
+    validation_errors: Sequence[str] | None = None
+    kueue_managed: bool = False
+    ray_job_name: str = ""
+    ray_job: Mapping[str, Any] | None = None
+    ray_cluster: Mapping[str, Any] | None = None
+    pods: Sequence[Mapping[str, Any]] = ()
+    events: Sequence[Mapping[str, Any]] = ()
+    # metadata.generation the children were last rendered from; None until the first apply.
+    applied_generation: int | None = None
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A pod-level (or KubeRay-level) reason the cluster cannot become ready."""
+
+    reason: str
+    message: str
+
+
+@dataclass(frozen=True)
+class DerivedStatus:
+    """The operator-owned part of ``status`` (never ``progress``: the runtime owns that)."""
+
+    phase: Phase
+    reason: str
+    message: str
+    conditions: tuple[Condition, ...]
+    observed_generation: int | None
+    ray_job_name: str = ""
+    ray_cluster_name: str = ""
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def condition(self, type_: str) -> Condition | None:
+        return next((c for c in self.conditions if c.type == type_), None)
+
+    def to_status(self) -> dict[str, Any]:
+        """The ``status`` body for a merge patch (lists replace, ``progress`` untouched)."""
+        out: dict[str, Any] = {
+            "phase": self.phase,
+            "reason": self.reason,
+            "message": self.message,
+            "conditions": [c.to_dict() for c in self.conditions],
+        }
+        if self.observed_generation is not None:
+            out["observedGeneration"] = self.observed_generation
+        if self.ray_job_name:
+            out["rayJobName"] = self.ray_job_name
+        if self.ray_cluster_name:
+            out["rayClusterName"] = self.ray_cluster_name
+        out.update(self.extra)
+        return out
+
+
+@dataclass(frozen=True)
+class Transition:
+    """An Event the operator posts because a phase or condition changed."""
+
+    type: Literal["Normal", "Warning"]
+    reason: str
+    message: str
+
+
+# --------------------------------------------------------------------------------------------- pods
+
+
+def _pod_name(pod: Mapping[str, Any]) -> str:
+    return str(pod.get("metadata", {}).get("name", "?"))
+
+
+def _container_statuses(pod: Mapping[str, Any]) -> Iterable[Mapping[str, Any]]:
+    st = pod.get("status") or {}
+    yield from st.get("initContainerStatuses") or ()
+    yield from st.get("containerStatuses") or ()
+
+
+def _waiting_problem(pod: Mapping[str, Any]) -> Problem | None:
+    for cs in _container_statuses(pod):
+        waiting = (cs.get("state") or {}).get("waiting") or {}
+        reason = waiting.get("reason") or ""
+        msg = waiting.get("message") or ""
+        where = f"pod {_pod_name(pod)} container {cs.get('name', '?')}"
+        if reason in _IMAGE_PULL_REASONS:
+            return Problem(reason, f"{where}: {msg or 'cannot pull image ' + str(cs.get('image', ''))}")
+        if reason == "CrashLoopBackOff":
+            term = (cs.get("lastState") or {}).get("terminated") or {}
+            last = ""
+            if term:
+                last = f" (last exit code {term.get('exitCode')}, reason {term.get('reason', 'Error')})"
+            restarts = cs.get("restartCount", 0)
+            return Problem(reason, f"{where} restarted {restarts} times{last}: {msg}".rstrip(": "))
+        if reason in _CONFIG_REASONS:
+            return Problem(reason, f"{where}: {msg}")
+    return None
+
+
+def _unschedulable(pod: Mapping[str, Any]) -> Problem | None:
+    for cond in (pod.get("status") or {}).get("conditions") or ():
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+            reason = cond.get("reason") or "Unschedulable"
+            msg = cond.get("message") or "the scheduler found no node for this pod"
+            return Problem(reason, f"pod {_pod_name(pod)}: {msg}")
+    return None
+
+
+def _event_problem(events: Sequence[Mapping[str, Any]]) -> Problem | None:
+    """The newest Warning event with a reason worth showing (events list is oldest first)."""
+    for ev in reversed(events):
+        if ev.get("type") == "Warning" and ev.get("reason") in _EVENT_REASONS:
+            obj = ev.get("involvedObject") or {}
+            who = f"{str(obj.get('kind', '')).lower()} {obj.get('name', '')}".strip()
+            return Problem(str(ev["reason"]), f"{who}: {ev.get('message', '')}")
+    return None
+
+
+def diagnose(pods: Sequence[Mapping[str, Any]], events: Sequence[Mapping[str, Any]]) -> Problem | None:
+    """The most actionable reason these pods are not all running, or None.
+
+    Order: container errors (image pull, crash loop, bad config) beat scheduling, which beats events,
+    because a pod that has a node and still fails is the more specific story.
+    """
+    live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
+    for pod in live:
+        if (problem := _waiting_problem(pod)) is not None:
+            return problem
+    for pod in live:
+        if (problem := _unschedulable(pod)) is not None:
+            return problem
+    for pod in live:
+        if (pod.get("status") or {}).get("phase") == "Failed":
+            st = pod.get("status") or {}
+            return Problem(
+                "PodFailed", f"pod {_pod_name(pod)}: {st.get('reason', '')} {st.get('message', '')}"
+            )
+    return _event_problem(events)
+
+
+def _pod_ready(pod: Mapping[str, Any]) -> bool:
+    st = pod.get("status") or {}
+    if st.get("phase") != "Running":
+        return False
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in st.get("conditions") or ())
+
+
+# ------------------------------------------------------------------------------------------ cluster
+
+
+def _cluster_condition(cluster: Mapping[str, Any], type_: str) -> str | None:
+    for cond in (cluster.get("status") or {}).get("conditions") or ():
+        if cond.get("type") == type_:
+            return str(cond.get("status"))
+    return None
+
+
+def cluster_ready(cluster: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]]) -> tuple[bool, str]:
+    """Whether the RayCluster's head and every desired worker are ready, with a one-line summary.
+
+    Uses the pods themselves, not only KubeRay's sticky RayClusterProvisioned: a worker that starts
+    crash-looping after provisioning makes the cluster not ready again.
+    """
+    if cluster is None:
+        return False, "waiting for KubeRay to create the RayCluster"
+    st = cluster.get("status") or {}
+    heads = [p for p in pods if (p.get("metadata") or {}).get("labels", {}).get("ray.io/node-type") == "head"]
+    workers = [
+        p for p in pods if (p.get("metadata") or {}).get("labels", {}).get("ray.io/node-type") == "worker"
+    ]
+    desired = st.get("desiredWorkerReplicas")
+    if desired is None:
+        desired = sum(
+            int(g.get("replicas", 0) or 0) for g in (cluster.get("spec") or {}).get("workerGroupSpecs", ())
+        )
+    head_ready = any(_pod_ready(p) for p in heads) or (
+        not heads and _cluster_condition(cluster, "HeadPodReady") == "True"
+    )
+    ready_workers = (
+        sum(1 for p in workers if _pod_ready(p)) if workers else int(st.get("readyWorkerReplicas", 0) or 0)
+    )
+    gpus = st.get("desiredGPU")
+    summary = f"head {'ready' if head_ready else 'not ready'}, {ready_workers}/{desired} workers ready"
+    if gpus not in (None, "", "0"):
+        summary += f", {gpus} GPUs"
+    return head_ready and ready_workers >= int(desired), summary
+
+
+# ------------------------------------------------------------------------------------------- derive
+
+
+def _merge_time(new: Condition, previous: Mapping[str, Mapping[str, Any]], now: str) -> Condition:
+    """Keep lastTransitionTime when the condition's status did not change."""
+    old = previous.get(new.type)
+    if old is not None and old.get("status") == new.status and old.get("lastTransitionTime"):
+        return replace(new, last_transition_time=str(old["lastTransitionTime"]))
+    return replace(new, last_transition_time=now)
+
+
+def _rfc3339(now: datetime) -> str:
+    return now.strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def derive(
+    obs: Observed,
+    previous_conditions: Sequence[Mapping[str, Any]] = (),
+    *,
+    now: datetime,
+) -> DerivedStatus:
+    """Phase, reason, message and the six conditions for one RLJob."""
+    gen = obs.generation
+    prev = {str(c.get("type")): c for c in previous_conditions if c.get("type")}
+    ts = _rfc3339(now)
+
+    def cond(type_: str, status: CondStatus, reason: str, message: str = "") -> Condition:
+        return _merge_time(Condition(type_, status, reason, message, "", gen), prev, ts)
+
+    # Valid: decided by the operator's validation, before anything is rendered.
+    if obs.validation_errors is None:
+        valid = cond("Valid", "Unknown", "Validating", "the operator has not validated this spec yet")
+    elif obs.validation_errors:
+        valid = cond("Valid", "False", "InvalidSpec", "; ".join(obs.validation_errors))
+    else:
+        valid = cond("Valid", "True", "SpecAccepted", "")
+
+    rj = obs.ray_job
+    rj_spec = (rj or {}).get("spec") or {}
+    rj_st = (rj or {}).get("status") or {}
+    deploy = str(rj_st.get("jobDeploymentStatus") or "")
+    job_status = str(rj_st.get("jobStatus") or "")
+    rj_reason = str(rj_st.get("reason") or "")
+    rj_message = str(rj_st.get("message") or "")
+    cluster_name = str(
+        rj_st.get("rayClusterName") or ((obs.ray_cluster or {}).get("metadata") or {}).get("name") or ""
+    )
+
+    succeeded = deploy == "Complete" and job_status in ("SUCCEEDED", "")
+    succeeded = succeeded or (job_status == "SUCCEEDED" and deploy not in _DEPLOYMENT_FAILED)
+    failed = (
+        deploy in _DEPLOYMENT_FAILED or job_status in ("FAILED", "STOPPED") or rj_reason == "DeadlineExceeded"
+    )
+    failed = failed and not succeeded
+
+    # Suspended: the user's spec.suspend, KubeRay's own view, or Kueue holding the RayJob in its queue.
+    rj_suspended = bool(rj_spec.get("suspend")) or deploy in _DEPLOYMENT_SUSPENDED
+    if obs.suspend and rj is not None and deploy == "Suspending":
+        suspended = cond(
+            "Suspended", "True", "Suspending", "KubeRay is deleting the RayCluster; GPUs are being freed"
+        )
+    elif obs.suspend:
+        suspended = cond("Suspended", "True", "SuspendedByUser", "spec.suspend is true; no GPU pods are held")
+    elif obs.kueue_managed and rj_suspended:
+        suspended = cond(
+            "Suspended", "True", "QueuedByKueue", "the RayJob is suspended until Kueue admits it"
+        )
+    elif rj_suspended:
+        suspended = cond("Suspended", "True", deploy or "Suspended", "the RayJob is suspended")
+    else:
+        suspended = cond("Suspended", "False", "NotSuspended", "")
+
+    pods = [p for p in obs.pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
+    problem = diagnose(pods, obs.events)
+    ready, summary = cluster_ready(obs.ray_cluster, pods)
+    if rj is None:
+        cluster = cond("ClusterReady", "False", "RayJobNotCreated", "the RayJob has not been created yet")
+    elif suspended.status == "True":
+        cluster = cond("ClusterReady", "False", "Suspended", "the RayCluster is deleted while suspended")
+    elif succeeded or failed:
+        cluster = cond(
+            "ClusterReady", "False", "JobFinished", f"the Ray job finished ({job_status or deploy})"
+        )
+    elif ready:
+        cluster = cond("ClusterReady", "True", "RayClusterReady", f"RayCluster {cluster_name}: {summary}")
+    elif problem is not None:
+        cluster = cond("ClusterReady", "False", problem.reason, problem.message)
+    elif obs.ray_cluster is None:
+        cluster = cond("ClusterReady", "False", "RayClusterPending", summary)
+    else:
+        cluster = cond("ClusterReady", "False", "PodsPending", f"RayCluster {cluster_name}: {summary}")
+
+    if job_status == "RUNNING" and not (succeeded or failed) and suspended.status != "True":
+        running = cond("Running", "True", "JobRunning", rj_message or "the Ray job is running")
+    elif succeeded or failed:
+        running = cond("Running", "False", "JobFinished", f"the Ray job finished ({job_status or deploy})")
+    elif deploy == "Retrying":
+        running = cond(
+            "Running", "False", "Retrying", rj_message or "KubeRay is retrying with a new RayCluster"
+        )
+    elif cluster.status == "True":
+        running = cond(
+            "Running",
+            "False",
+            "JobPending",
+            f"RayJob {obs.ray_job_name} is {deploy or 'Initializing'}, Ray job {job_status or 'not submitted'}",
+        )
+    else:
+        running = cond("Running", "False", "WaitingForCluster", cluster.message)
+
+    if succeeded:
+        succ = cond("Succeeded", "True", "JobSucceeded", rj_message or "the Ray job succeeded")
+    else:
+        succ = cond("Succeeded", "False", "NotFinished" if not failed else "JobFailed", "")
+
+    if valid.status == "False":
+        fail = cond("Failed", "True", "InvalidSpec", valid.message)
+    elif failed:
+        reason = rj_reason or ("JobStopped" if job_status == "STOPPED" else "JobFailed")
+        if deploy == "ValidationFailed" and not rj_reason:
+            reason = "ValidationFailed"
+        msg = rj_message or f"RayJob {obs.ray_job_name}: jobDeploymentStatus {deploy}, jobStatus {job_status}"
+        fail = cond("Failed", "True", reason, msg)
+    else:
+        fail = cond("Failed", "False", "NotFailed", "")
+
+    conditions = (valid, cluster, running, succ, fail, suspended)
+
+    phase: Phase
+    if valid.status == "False":
+        phase, lead = "Failed", fail
+    elif succeeded:
+        phase, lead = "Succeeded", succ
+    elif failed:
+        phase, lead = "Failed", fail
+    elif suspended.status == "True":
+        phase, lead = "Suspended", suspended
+    elif running.status == "True":
+        phase, lead = "Running", running
+    elif rj is None:
+        phase, lead = "Pending", valid if valid.status != "True" else cluster
+    else:
+        phase, lead = "Provisioning", cluster if cluster.status != "True" else running
+
+    return DerivedStatus(
+        phase=phase,
+        reason=lead.reason,
+        message=lead.message,
+        conditions=conditions,
+        observed_generation=obs.applied_generation if valid.status != "False" else gen,
+        ray_job_name=obs.ray_job_name if rj is not None else "",
+        ray_cluster_name=cluster_name,
+    )
+
+
+_BAD = {
+    ("Valid", "False"),
+    ("Failed", "True"),
+}
+
+
+def transitions(previous: Mapping[str, Any] | None, new: DerivedStatus) -> list[Transition]:
+    """Events for every phase change and every condition whose status or reason changed."""
+    previous = previous or {}
+    out: list[Transition] = []
+    old_conds = {str(c.get("type")): c for c in previous.get("conditions") or () if c.get("type")}
+    for c in new.conditions:
+        old = old_conds.get(c.type)
+        if old is not None and old.get("status") == c.status and old.get("reason") == c.reason:
+            continue
+        if old is None and c.status != "True" and (c.type, c.status) not in _BAD and c.type != "ClusterReady":
+            continue  # the initial False/Unknown of every condition is noise, not news
+        warning = (c.type, c.status) in _BAD or (
+            c.type == "ClusterReady" and c.status == "False" and c.reason in _PROBLEM_REASONS
+        )
+        if c.type == "ClusterReady" and c.status == "False" and not warning and old is None:
+            continue
+        text = f"{c.type}={c.status}" + (f": {c.message}" if c.message else "")
+        out.append(Transition("Warning" if warning else "Normal", c.reason, text))
+    if previous.get("phase") != new.phase:
+        kind: Literal["Normal", "Warning"] = "Warning" if new.phase == "Failed" else "Normal"
+        was = previous.get("phase") or "none"
+        out.append(
+            Transition(kind, f"Phase{new.phase}", f"phase {was} -> {new.phase}: {new.message}".rstrip(": "))
+        )
+    return out
+
+
+_PROBLEM_REASONS = frozenset(
+    (
+        *_IMAGE_PULL_REASONS,
+        *_CONFIG_REASONS,
+        "CrashLoopBackOff",
+        "Unschedulable",
+        "PodFailed",
+        *_EVENT_REASONS,
+    )
+)
+
+
+def operator_status_view(status: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The operator-owned keys of a live ``status`` (to compare with a derived one)."""
+    status = status or {}
+    keys = ("phase", "reason", "message", "conditions", "observedGeneration", "rayJobName", "rayClusterName")
+    return {k: status[k] for k in keys if k in status}

@@ -1,0 +1,234 @@
+"""Status derivation from hand-built RayJob/RayCluster/pod/event objects (pure, no cluster).
+
+The shapes are the ones KubeRay v1.5 and the kubelet write; the cluster tests check the same paths
+against the real API server.
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from rlkube.operator.status import Observed, derive, operator_status_view, transitions
+
+NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
+
+
+def ray_job(
+    deploy: str = "Initializing", job: str = "", reason: str = "", message: str = "", **spec: Any
+) -> dict:
+    st: dict[str, Any] = {"jobDeploymentStatus": deploy, "rayClusterName": "j-abcde"}
+    if job:
+        st["jobStatus"] = job
+    if reason:
+        st["reason"] = reason
+    if message:
+        st["message"] = message
+    return {"metadata": {"name": "j"}, "spec": dict(spec), "status": st}
+
+
+def cluster(workers: int = 1, gpus: str = "8") -> dict:
+    return {
+        "metadata": {"name": "j-abcde"},
+        "spec": {"workerGroupSpecs": [{"groupName": "trainer", "replicas": workers}]},
+        "status": {"desiredWorkerReplicas": workers, "desiredGPU": gpus},
+    }
+
+
+def pod(name: str, kind: str = "worker", *, ready: bool = True, **status: Any) -> dict:
+    st: dict[str, Any] = {"phase": "Running" if ready else "Pending", "conditions": []}
+    if ready:
+        st["conditions"].append({"type": "Ready", "status": "True"})
+    st.update(status)
+    return {"metadata": {"name": name, "labels": {"ray.io/node-type": kind}}, "status": st}
+
+
+def obs(**kw: Any) -> Observed:
+    base: dict[str, Any] = dict(generation=1, validation_errors=[], ray_job_name="j", applied_generation=1)
+    base.update(kw)
+    return Observed(**base)
+
+
+def conds(d: Any) -> dict[str, tuple[str, str, str]]:
+    return {c.type: (c.status, c.reason, c.message) for c in d.conditions}
+
+
+def test_pending_before_the_rayjob_exists() -> None:
+    d = derive(obs(), now=NOW)
+    assert d.phase == "Pending"
+    assert conds(d)["Valid"][:2] == ("True", "SpecAccepted")
+    assert conds(d)["ClusterReady"][1] == "RayJobNotCreated"
+
+
+def test_invalid_spec_fails_with_the_field_message_and_observes_generation() -> None:
+    msg = "spec.training.trainBatchSize: must equal parameterSyncStep x miniBatchSize (set it to 128)"
+    d = derive(obs(generation=3, validation_errors=[msg], applied_generation=None), now=NOW)
+    assert d.phase == "Failed" and d.reason == "InvalidSpec" and msg in d.message
+    assert conds(d)["Valid"] == ("False", "InvalidSpec", msg)
+    assert d.observed_generation == 3
+    assert any(t.type == "Warning" and t.reason == "InvalidSpec" for t in transitions(None, d))
+
+
+def test_provisioning_then_cluster_ready_then_running() -> None:
+    p = derive(obs(ray_job=ray_job(), ray_cluster=cluster(), pods=[pod("h", "head", ready=False)]), now=NOW)
+    assert p.phase == "Provisioning" and conds(p)["ClusterReady"][1] == "PodsPending"
+    r = derive(
+        obs(ray_job=ray_job("Running"), ray_cluster=cluster(), pods=[pod("h", "head"), pod("w")]), now=NOW
+    )
+    assert r.phase == "Provisioning"
+    assert conds(r)["ClusterReady"][:2] == ("True", "RayClusterReady")
+    assert "8 GPUs" in conds(r)["ClusterReady"][2]
+    assert conds(r)["Running"][1] == "JobPending"
+    run = derive(
+        obs(ray_job=ray_job("Running", "RUNNING"), ray_cluster=cluster(), pods=[pod("h", "head"), pod("w")]),
+        now=NOW,
+    )
+    assert run.phase == "Running" and conds(run)["Running"][0] == "True"
+
+
+def test_unschedulable_message_from_the_scheduler_reaches_the_condition() -> None:
+    sched = "0/4 nodes are available: 4 Insufficient amd.com/gpu. preemption: not helpful"
+    w = pod(
+        "w",
+        ready=False,
+        conditions=[{"type": "PodScheduled", "status": "False", "reason": "Unschedulable", "message": sched}],
+    )
+    d = derive(obs(ray_job=ray_job(), ray_cluster=cluster(), pods=[pod("h", "head"), w]), now=NOW)
+    assert d.phase == "Provisioning" and d.reason == "Unschedulable"
+    assert sched in d.message and "pod w" in d.message
+    assert any(t.type == "Warning" and t.reason == "Unschedulable" for t in transitions(None, d))
+
+
+def test_image_pull_beats_scheduling_and_names_the_container() -> None:
+    cs = [
+        {
+            "name": "ray-worker",
+            "state": {
+                "waiting": {"reason": "ImagePullBackOff", "message": 'Back-off pulling image "nope:1"'}
+            },
+        }
+    ]
+    d = derive(
+        obs(
+            ray_job=ray_job(),
+            ray_cluster=cluster(),
+            pods=[pod("h", "head", ready=False, containerStatuses=cs)],
+        ),
+        now=NOW,
+    )
+    assert (d.reason, d.phase) == ("ImagePullBackOff", "Provisioning")
+    assert 'Back-off pulling image "nope:1"' in d.message and "ray-worker" in d.message
+
+
+def test_crash_loop_reports_exit_code_and_restarts() -> None:
+    cs = [
+        {
+            "name": "ray-head",
+            "restartCount": 5,
+            "state": {"waiting": {"reason": "CrashLoopBackOff", "message": "back-off 5m0s"}},
+            "lastState": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}},
+        }
+    ]
+    d = derive(
+        obs(
+            ray_job=ray_job(),
+            ray_cluster=cluster(),
+            pods=[pod("h", "head", ready=False, containerStatuses=cs)],
+        ),
+        now=NOW,
+    )
+    assert d.reason == "CrashLoopBackOff"
+    assert "137" in d.message and "OOMKilled" in d.message and "5 times" in d.message
+
+
+def test_quota_event_surfaces_when_no_pod_exists() -> None:
+    ev = {
+        "type": "Warning",
+        "reason": "FailedCreate",
+        "message": 'pods "j-head" is forbidden: exceeded quota: gpu',
+        "involvedObject": {"kind": "RayCluster", "name": "j-abcde"},
+    }
+    d = derive(obs(ray_job=ray_job(), ray_cluster=cluster(), events=[ev]), now=NOW)
+    assert d.reason == "FailedCreate" and "exceeded quota" in d.message
+
+
+def test_deadline_exceeded_is_failed_with_kuberays_message() -> None:
+    rj = ray_job("Failed", "", "DeadlineExceeded", "The RayJob has passed the activeDeadlineSeconds. ...")
+    d = derive(obs(ray_job=rj), now=NOW)
+    assert (d.phase, d.reason) == ("Failed", "DeadlineExceeded")
+    assert "activeDeadlineSeconds" in conds(d)["Failed"][2]
+    assert conds(d)["Running"][:2] == ("False", "JobFinished")
+
+
+def test_succeeded_and_failed_mapping_of_kuberay_values() -> None:
+    assert derive(obs(ray_job=ray_job("Complete", "SUCCEEDED")), now=NOW).phase == "Succeeded"
+    f = derive(obs(ray_job=ray_job("Failed", "FAILED", "AppFailed", "exit 1")), now=NOW)
+    assert (f.phase, f.reason, f.message) == ("Failed", "AppFailed", "exit 1")
+    s = derive(obs(ray_job=ray_job("Complete", "STOPPED")), now=NOW)
+    assert (s.phase, s.reason) == ("Failed", "JobStopped")
+    v = derive(obs(ray_job=ray_job("ValidationFailed", message="bad spec")), now=NOW)
+    assert (v.phase, v.reason) == ("Failed", "ValidationFailed")
+    r = derive(obs(ray_job=ray_job("Retrying", message="attempt 2")), now=NOW)
+    assert r.phase == "Provisioning" and conds(r)["Running"][1] == "Retrying"
+    w = derive(obs(ray_job=ray_job("Waiting")), now=NOW)
+    assert w.phase == "Provisioning"
+
+
+def test_suspend_states() -> None:
+    assert (
+        derive(obs(suspend=True, ray_job=ray_job("Suspending", suspend=True)), now=NOW).reason == "Suspending"
+    )
+    d = derive(obs(suspend=True, ray_job=ray_job("Suspended", suspend=True)), now=NOW)
+    assert (d.phase, d.reason) == ("Suspended", "SuspendedByUser")
+    assert conds(d)["ClusterReady"][:2] == ("False", "Suspended")
+    q = derive(obs(kueue_managed=True, ray_job=ray_job("Suspended", suspend=True)), now=NOW)
+    assert (q.phase, q.reason) == ("Suspended", "QueuedByKueue")
+
+
+def test_last_transition_time_kept_while_status_unchanged() -> None:
+    first = derive(
+        obs(ray_job=ray_job(), ray_cluster=cluster(), pods=[pod("h", "head", ready=False)]), now=NOW
+    )
+    prev = [c.to_dict() for c in first.conditions]
+    later = NOW + timedelta(minutes=5)
+    cs = [{"name": "c", "state": {"waiting": {"reason": "ErrImagePull", "message": "x"}}}]
+    second = derive(
+        obs(
+            ray_job=ray_job(),
+            ray_cluster=cluster(),
+            pods=[pod("h", "head", ready=False, containerStatuses=cs)],
+        ),
+        prev,
+        now=later,
+    )
+    c1, c2 = first.condition("ClusterReady"), second.condition("ClusterReady")
+    assert c1 and c2 and c1.reason != c2.reason
+    assert c2.last_transition_time == c1.last_transition_time == "2026-01-01T12:00:00Z"
+    ready = derive(
+        obs(ray_job=ray_job("Running"), ray_cluster=cluster(), pods=[pod("h", "head"), pod("w")]),
+        prev,
+        now=later,
+    )
+    c3 = ready.condition("ClusterReady")
+    assert c3 and c3.last_transition_time == "2026-01-01T12:05:00Z"
+
+
+def test_no_events_when_nothing_changed_and_one_per_change() -> None:
+    d = derive(
+        obs(ray_job=ray_job("Running"), ray_cluster=cluster(), pods=[pod("h", "head"), pod("w")]), now=NOW
+    )
+    status = d.to_status()
+    assert transitions(status, d) == []
+    assert operator_status_view({**status, "progress": {"step": 3}}) == status
+    again = derive(
+        obs(ray_job=ray_job("Running", "RUNNING"), ray_cluster=cluster(), pods=[pod("h", "head"), pod("w")]),
+        status["conditions"],
+        now=NOW,
+    )
+    reasons = [t.reason for t in transitions(status, again)]
+    assert reasons == ["JobRunning", "PhaseRunning"]
+
+
+def test_status_patch_never_carries_progress() -> None:
+    d = derive(obs(), now=NOW)
+    assert "progress" not in d.to_status()
