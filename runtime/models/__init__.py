@@ -1,0 +1,1 @@
+"""Model factories: tiny test models and random-init models with real shapes (no hub downloads)."""
