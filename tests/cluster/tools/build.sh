@@ -58,6 +58,20 @@ crds() {  # KubeRay CRDs come from the same module zip as the operator binary.
   echo "[build] kuberay CRDs: $out"
 }
 
+kwok_stages() {  # kwok alone simulates nothing without Stage configs; take the upstream defaults.
+  local version; version=$(version_of kwok sigs.k8s.io/kwok)
+  local out="$cache/kwok-$version/stages"
+  if [ ! -f "$out/pod-delete.yaml" ]; then
+    local dir; dir=$(cd "$here/kwok" && go mod download -json "sigs.k8s.io/kwok@$version" | python3 -P -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')
+    mkdir -p "$out"
+    cp "$dir"/kustomize/stage/node/fast/node-initialize.yaml \
+       "$dir"/kustomize/stage/node/heartbeat-with-lease/node-heartbeat-with-lease.yaml \
+       "$dir"/kustomize/stage/pod/fast/pod-{ready,complete,delete}.yaml "$out/"
+    chmod u+w "$out"/*.yaml
+  fi
+  echo "[build] kwok stages: $out"
+}
+
 components=${*:-kubernetes etcd kwok kuberay helm}
 for c in $components; do
   case $c in
@@ -65,7 +79,7 @@ for c in $components; do
                   k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
                   k8s.io/kubernetes/cmd/kube-scheduler ;;
     etcd)       build etcd etcd go.etcd.io/etcd/server/v3 go.etcd.io/etcd/server/v3 ;;
-    kwok)       build kwok kwok sigs.k8s.io/kwok sigs.k8s.io/kwok/cmd/kwok ;;
+    kwok)       build kwok kwok sigs.k8s.io/kwok sigs.k8s.io/kwok/cmd/kwok; kwok_stages ;;
     kuberay)    build kuberay kuberay github.com/ray-project/kuberay/ray-operator github.com/ray-project/kuberay/ray-operator; crds ;;
     helm)       build helm helm helm.sh/helm/v4 helm.sh/helm/v4/cmd/helm ;;
     *) echo "unknown component $c" >&2; exit 2 ;;
