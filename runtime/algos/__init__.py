@@ -1,0 +1,81 @@
+"""Pure RL algorithm pieces (advantages, losses, KL, DAPO tricks) on ``[batch, response_len]`` tensors."""
+
+from rlkube.runtime.algos.advantages import (
+    ESTIMATORS,
+    compute_advantages,
+    discounted_returns,
+    estimator_for_algorithm,
+    gae,
+    grpo_advantages,
+    reinforce_pp_advantages,
+    rloo_advantages,
+    scores_to_token_rewards,
+)
+from rlkube.runtime.algos.core import (
+    AGG_MODES,
+    AggMode,
+    aggregate_loss,
+    masked_mean,
+    masked_sum,
+    masked_var,
+    masked_whiten,
+)
+from rlkube.runtime.algos.dapo import (
+    DynamicSamplingBuffer,
+    DynamicSamplingExhaustedError,
+    dynamic_sampling_keep,
+    overlong_penalty,
+)
+from rlkube.runtime.algos.kl import (
+    KL_KINDS,
+    AdaptiveKLController,
+    FixedKLController,
+    KLController,
+    kl_in_reward,
+    kl_penalty,
+    make_kl_controller,
+)
+from rlkube.runtime.algos.losses import (
+    PolicyLossMetrics,
+    ValueLossMetrics,
+    entropy_from_logits,
+    logprobs_from_logits,
+    ppo_policy_loss,
+    value_loss,
+)
+
+__all__ = [
+    "AGG_MODES",
+    "ESTIMATORS",
+    "KL_KINDS",
+    "AdaptiveKLController",
+    "AggMode",
+    "DynamicSamplingBuffer",
+    "DynamicSamplingExhaustedError",
+    "FixedKLController",
+    "KLController",
+    "PolicyLossMetrics",
+    "ValueLossMetrics",
+    "aggregate_loss",
+    "compute_advantages",
+    "discounted_returns",
+    "dynamic_sampling_keep",
+    "entropy_from_logits",
+    "estimator_for_algorithm",
+    "gae",
+    "grpo_advantages",
+    "kl_in_reward",
+    "kl_penalty",
+    "logprobs_from_logits",
+    "make_kl_controller",
+    "masked_mean",
+    "masked_sum",
+    "masked_var",
+    "masked_whiten",
+    "overlong_penalty",
+    "ppo_policy_loss",
+    "reinforce_pp_advantages",
+    "rloo_advantages",
+    "scores_to_token_rewards",
+    "value_loss",
+]
