@@ -348,7 +348,8 @@ def derive(
             "Running",
             "False",
             "JobPending",
-            f"RayJob {obs.ray_job_name} is {deploy or 'Initializing'}, Ray job {job_status or 'not submitted'}",
+            f"RayJob {obs.ray_job_name} is {deploy or 'Initializing'}, "
+            f"Ray job {job_status or 'not submitted'}",
         )
     else:
         running = cond("Running", "False", "WaitingForCluster", cluster.message)

@@ -1,0 +1,332 @@
+"""The two reconciles: spec (validate, render, server-side apply) and status (derive, patch, Events).
+
+The spec reconcile runs from Kopf's create/update/resume handlers. The status reconcile runs from a
+small work queue fed by every watch event on an RLJob or its children, so bursts of pod events for one
+job collapse into one derivation and at most one status patch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from pydantic import ValidationError
+
+from . import metrics
+from .cache import Cache, JobState, Key
+from .kube import Kube, KubeError
+from .status import Observed, derive, operator_status_view, transitions
+
+FIELD_MANAGER = "rlkube-operator"
+FINALIZER = "rlkube.io/finalizer"
+KUEUE_LABELS = ("kueue.x-k8s.io/queue-name", "kueue.x-k8s.io/priority-class")
+JOB_LABEL = "rlkube.io/rljob"
+TERMINAL = ("Succeeded", "Failed")
+# Children applied before the RayJob so its pods find their ServiceAccount and spec ConfigMap.
+APPLY_ORDER = {"ServiceAccount": 0, "Role": 1, "RoleBinding": 2, "ConfigMap": 3, "RayJob": 9}
+
+log = logging.getLogger("rlkube.operator")
+
+
+def now_rfc3339() -> str:
+    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def format_field_error(err: Any) -> str:
+    """One line naming the field and the fix, whatever shape the API's FieldError has."""
+    path = getattr(err, "field", None) or getattr(err, "path", None) or getattr(err, "loc", None)
+    if isinstance(path, list | tuple):
+        path = ".".join(str(p) for p in path)
+    msg = getattr(err, "message", None) or getattr(err, "msg", None)
+    fix = getattr(err, "fix", None) or getattr(err, "hint", None)
+    if path and msg:
+        text = f"{path}: {msg}"
+        return f"{text} ({fix})" if fix and str(fix) not in text else text
+    return str(err)
+
+
+def validate_body(body: Mapping[str, Any]) -> tuple[Any, list[str]]:
+    """(the parsed RLJob or None, error lines). Structural errors from pydantic count as field errors."""
+    from rlkube.api import models
+
+    try:
+        job = models.RLJob.model_validate(dict(body))
+    except ValidationError as exc:
+        lines = []
+        for e in exc.errors():
+            loc = (
+                ".".join(str(p) for p in ("spec", *e["loc"][1:]))
+                if e["loc"][:1] == ("spec",)
+                else ".".join(map(str, e["loc"]))
+            )
+            lines.append(f"{loc}: {e['msg']}")
+        return None, lines
+    from rlkube import api
+
+    validator = getattr(api, "validate", None)
+    errors = list(validator(job.spec)) if validator is not None else []
+    return job, [format_field_error(e) for e in errors]
+
+
+@dataclass
+class Config:
+    """What the CLI decides and the handlers read (Kopf's ``memo``)."""
+
+    render_defaults: Any = None
+    field_manager: str = FIELD_MANAGER
+    status_workers: int = 4
+
+
+@dataclass
+class Reconciler:
+    """Shared state of one operator process."""
+
+    config: Config
+    cache: Cache = field(default_factory=Cache)
+    kube: Kube | None = None
+    queue: asyncio.Queue[Key] = field(default_factory=asyncio.Queue)
+    queued: set[Key] = field(default_factory=set)
+    busy: set[Key] = field(default_factory=set)
+    again: set[Key] = field(default_factory=set)
+    tasks: list[asyncio.Task[None]] = field(default_factory=list)
+
+    # ----------------------------------------------------------------------------- queue
+
+    def mark(self, key: Key | None) -> None:
+        """Ask for a status reconcile of ``key`` (coalesced with any already pending)."""
+        if key is None:
+            return
+        if key in self.busy:
+            self.again.add(key)
+        elif key not in self.queued:
+            self.queued.add(key)
+            self.queue.put_nowait(key)
+
+    def start(self) -> None:
+        for _ in range(self.config.status_workers):
+            self.tasks.append(asyncio.create_task(self._worker()))
+
+    async def stop(self) -> None:
+        for t in self.tasks:
+            t.cancel()
+        await asyncio.gather(*self.tasks, return_exceptions=True)
+        self.tasks.clear()
+
+    async def _worker(self) -> None:
+        while True:
+            key = await self.queue.get()
+            self.queued.discard(key)
+            self.busy.add(key)
+            try:
+                await self.sync_status(key)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                metrics.RECONCILE_ERRORS.labels("status").inc()
+                log.exception("status reconcile of %s/%s failed; retrying in 2s", *key)
+                asyncio.get_running_loop().call_later(2.0, self.mark, key)
+            finally:
+                self.busy.discard(key)
+                if key in self.again:
+                    self.again.discard(key)
+                    self.mark(key)
+
+    # ----------------------------------------------------------------------------- spec
+
+    async def reconcile_spec(
+        self, body: Mapping[str, Any], logger: logging.Logger | logging.LoggerAdapter[Any]
+    ) -> None:
+        """Validate; if valid, render and server-side apply every child. Never retried for bad input."""
+        from rlkube.api import models
+        from rlkube.operator.render import render_children
+
+        assert self.kube is not None
+        meta = body["metadata"]
+        key = (str(meta["namespace"]), str(meta["name"]))
+        gen = int(meta.get("generation") or 1)
+        labels = dict(meta.get("labels") or {})
+        state = self.cache.jobs.setdefault(key, JobState())
+        state.generation = gen
+        state.kueue_managed = KUEUE_LABELS[0] in labels
+        self.cache.put_rljob(body, deleted=False)
+        job, errors = validate_body(body)
+        if job is not None:
+            state.algorithm = job.spec.algorithm.name
+            state.mode = job.spec.training.mode
+            state.gpus = int(models.total_gpus(job.spec))
+        if errors:
+            first = state.validation_errors != errors
+            state.validation_errors = errors
+            if first:
+                logger.warning("invalid spec: %s", "; ".join(errors))
+            self.mark(key)
+            return
+        state.validation_errors = []
+        children = render_children(
+            job,
+            name=key[1],
+            namespace=key[0],
+            uid=str(meta["uid"]),
+            operator_image_defaults=self.config.render_defaults,
+        )
+        objs = sorted(children.all(), key=lambda o: APPLY_ORDER.get(str(o.get("kind")), 5))
+        for obj in objs:
+            obj = prepare_child(obj, name=key[1], labels=labels)
+            if obj["kind"] == "RayJob":
+                state.ray_job_name = str(obj["metadata"]["name"])
+            await self.kube.apply(obj, field_manager=self.config.field_manager, force=True)
+        state.applied_generation = gen
+        self.mark(key)
+
+    # ----------------------------------------------------------------------------- status
+
+    async def sync_status(self, key: Key) -> None:
+        """Derive status from the cache; patch it and post Events only when something changed."""
+        assert self.kube is not None
+        rljob = self.cache.rljobs.get(key)
+        state = self.cache.jobs.get(key)
+        if rljob is None or state is None or rljob["metadata"].get("deletionTimestamp"):
+            return
+        t0 = time.perf_counter()
+        metrics.RECONCILES.labels("status").inc()
+        rj, cluster, pods, events = self.cache.children_of(key)
+        spec = rljob.get("spec") or {}
+        obs = Observed(
+            generation=int(rljob["metadata"].get("generation") or 1),
+            suspend=bool(spec.get("suspend")),
+            validation_errors=state.validation_errors,
+            kueue_managed=state.kueue_managed,
+            ray_job_name=state.ray_job_name or (str(rj["metadata"]["name"]) if rj else ""),
+            ray_job=rj,
+            ray_cluster=cluster,
+            pods=pods,
+            events=events,
+            applied_generation=state.applied_generation,
+        )
+        current = rljob.get("status") or {}
+        derived = derive(obs, current.get("conditions") or (), now=datetime.now(UTC))
+        new = derived.to_status()
+        new.update(self._extra_status(rljob, state, derived.phase, current))
+        old_view = operator_status_view(current)
+        for k in ("gpus", "startTime", "completionTime"):
+            if k in current:
+                old_view[k] = current[k]
+        if {k: v for k, v in new.items()} == old_view:
+            metrics.RECONCILE_DURATION.labels("status").observe(time.perf_counter() - t0)
+            return
+        try:
+            await self.kube.patch_status("RLJob", key[0], key[1], new)
+        except KubeError as exc:
+            if exc.status == 404:
+                return
+            raise
+        # Keep our copy current so a burst of events does not re-patch before the watch echoes it.
+        rljob["status"] = {**current, **new}
+        involved = {"apiVersion": rljob["apiVersion"], "kind": rljob["kind"], "metadata": rljob["metadata"]}
+        stamp = now_rfc3339()
+        for tr in transitions(current if current.get("conditions") else None, derived):
+            try:
+                await self.kube.post_event(
+                    involved, type_=tr.type, reason=tr.reason, message=tr.message, now=stamp
+                )
+            except KubeError as exc:  # an Event is best-effort; the status already says it
+                log.warning("cannot post event on %s/%s: %s", *key, exc)
+        self._observe_metrics(key, rljob, state, derived.phase, current.get("phase"))
+        metrics.RECONCILE_DURATION.labels("status").observe(time.perf_counter() - t0)
+
+    def _extra_status(
+        self, rljob: Mapping[str, Any], state: JobState, phase: str, current: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        if state.gpus is not None:
+            out["gpus"] = state.gpus if phase == "Running" else 0
+        if phase == "Running" and not current.get("startTime"):
+            out["startTime"] = now_rfc3339()
+        elif current.get("startTime"):
+            out["startTime"] = current["startTime"]
+        if phase in TERMINAL and not current.get("completionTime"):
+            out["completionTime"] = now_rfc3339()
+        elif current.get("completionTime"):
+            out["completionTime"] = current["completionTime"]
+        return out
+
+    def _observe_metrics(
+        self, key: Key, rljob: Mapping[str, Any], state: JobState, phase: str, old_phase: str | None
+    ) -> None:
+        if phase == "Running" and not state.running_seen:
+            state.running_seen = True
+            created = rljob["metadata"].get("creationTimestamp")
+            if created:
+                t = datetime.strptime(str(created), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+                metrics.TIME_TO_RUNNING.observe(max(0.0, (datetime.now(UTC) - t).total_seconds()))
+        if old_phase and old_phase != phase:
+            with contextlib.suppress(KeyError):
+                metrics.RLJOB_INFO.remove(key[0], key[1], state.algorithm, state.mode, old_phase)
+        metrics.RLJOB_INFO.labels(key[0], key[1], state.algorithm, state.mode, phase).set(1)
+        self.refresh_phase_gauge()
+
+    def refresh_phase_gauge(self) -> None:
+        counts: dict[str, int] = {}
+        for body in self.cache.rljobs.values():
+            ph = (body.get("status") or {}).get("phase") or "Pending"
+            counts[ph] = counts.get(ph, 0) + 1
+        metrics.set_phase_counts(counts)
+
+    def forget(self, key: Key, body: Mapping[str, Any]) -> None:
+        """Drop a deleted RLJob's in-memory state and its info series (children go by GC)."""
+        state = self.cache.jobs.get(key)
+        phase = (body.get("status") or {}).get("phase")
+        if state is not None and phase:
+            with contextlib.suppress(KeyError):
+                metrics.RLJOB_INFO.remove(key[0], key[1], state.algorithm, state.mode, phase)
+        self.cache.put_rljob(body, deleted=True)
+        self.refresh_phase_gauge()
+
+    # ----------------------------------------------------------------------------- children
+
+    def child_deleted(self, body: Mapping[str, Any]) -> Key | None:
+        """The RLJob to re-apply when one of its children was deleted while it is still active."""
+        for ref in (body.get("metadata") or {}).get("ownerReferences") or ():
+            if ref.get("kind") != "RLJob":
+                continue
+            key = self.cache.rljob_by_uid.get(str(ref.get("uid")))
+            if key is None:
+                return None
+            rljob = self.cache.rljobs.get(key)
+            state = self.cache.jobs.get(key)
+            if (
+                rljob is None
+                or state is None
+                or state.validation_errors
+                or rljob["metadata"].get("deletionTimestamp")
+            ):
+                return None
+            if (rljob.get("status") or {}).get("phase") in TERMINAL:
+                return None
+            return key
+        return None
+
+
+def prepare_child(obj: Mapping[str, Any], *, name: str, labels: Mapping[str, str]) -> dict[str, Any]:
+    """Stamp the job label (the watch selector) and pass Kueue labels; leave Kueue's ``suspend`` alone."""
+    out = dict(obj)
+    meta = dict(out.get("metadata") or {})
+    child_labels = dict(meta.get("labels") or {})
+    child_labels.setdefault(JOB_LABEL, name)
+    if out.get("kind") == "RayJob":
+        for lk in KUEUE_LABELS:
+            if lk in labels:
+                child_labels.setdefault(lk, labels[lk])
+        if KUEUE_LABELS[0] in child_labels:
+            spec = dict(out.get("spec") or {})
+            spec.pop("suspend", None)  # Kueue toggles it; owning it would fight the admission controller
+            out["spec"] = spec
+    meta["labels"] = child_labels
+    out["metadata"] = meta
+    return out
