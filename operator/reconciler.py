@@ -67,10 +67,9 @@ def validate_body(body: Mapping[str, Any]) -> tuple[Any, list[str]]:
             )
             lines.append(f"{loc}: {e['msg']}")
         return None, lines
-    from rlkube import api
+    from rlkube.api import validation
 
-    validator = getattr(api, "validate", None)
-    errors = list(validator(job.spec)) if validator is not None else []
+    errors = list(validation.validate_rljob(job))
     return job, [format_field_error(e) for e in errors]
 
 
