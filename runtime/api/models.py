@@ -568,7 +568,7 @@ class RLJobStatus(_Model):
     reason: str | None = Field(default=None, description="CamelCase reason of the current phase.")
     message: str | None = Field(default=None, description="Detail of the current phase.")
     gpus: int | None = Field(
-        default=None, ge=0, description="GPUs the job holds when running (trainer + rollout)."
+        default=None, ge=0, description="GPUs requested: trainer + rollout (the operator writes it)."
     )
     start_time: str | None = Field(default=None, description="When the job started running (RFC 3339).")
     completion_time: str | None = Field(default=None, description="When it finished (RFC 3339).")
@@ -580,8 +580,8 @@ class RLJob(_Model):
 
     model_config = ConfigDict(extra="ignore")
 
-    api_version: Literal["rlkube.io/v1alpha1"] = Field(default=API_VERSION, description="rlkube.io/v1alpha1.")
-    kind: Literal["RLJob"] = Field(default=KIND, description="RLJob.")
+    api_version: Literal["rlkube.io/v1alpha1"] = Field(default="rlkube.io/v1alpha1", description="rlkube.io/v1alpha1.")
+    kind: Literal["RLJob"] = Field(default="RLJob", description="RLJob.")
     metadata: dict[str, Any] = Field(default_factory=dict, description="Standard object metadata.")
     spec: RLJobSpec = Field(description="The desired job.")
     status: RLJobStatus | None = Field(default=None, description="Observed state.")
@@ -640,3 +640,18 @@ def gpu_resource(spec: RLJobSpec) -> str | None:
 def step_display(step: int, total: int | None) -> str:
     """The STEP column text, e.g. '12/400'."""
     return f"{step}/{total}" if total else str(step)
+
+
+# Ray worker groups per mode, and the Ray logical resource each group's pods advertise.
+COLOCATED_GROUPS = ("actor",)
+SEPARATE_GROUPS = ("trainer", "rollout")
+
+
+def worker_groups(spec: RLJobSpec) -> tuple[str, ...]:
+    """Ray worker group names for the spec's mode: `actor`, or `trainer` + `rollout`."""
+    return COLOCATED_GROUPS if colocated(spec) else SEPARATE_GROUPS
+
+
+def ray_resource_name(group: str) -> str:
+    """The Ray custom resource that pins actors to a worker group (e.g. rlkube_trainer)."""
+    return f"rlkube_{group}"
