@@ -625,7 +625,7 @@ class DevCluster:
     def _stop_started(self) -> None:
         """Best-effort cleanup after a failed start (keeps the logs for the error message)."""
         with contextlib.suppress(DevClusterError):
-            self._terminate(list(self._components))
+            self._terminate(list(self._components), grace_s=2.0)
         self._wipe(keep_logs=True)
 
     def _terminate(self, comps: list[Component], grace_s: float = 8.0) -> list[str]:

@@ -38,6 +38,8 @@ build() {
     local minor=${version#v1.}; minor=${minor%%.*}
     ldflags="-s -w -X k8s.io/component-base/version.gitVersion=$version -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor"
     tags="selinux,notest,grpcnotrace"
+  elif [ "$component" = helm ]; then
+    ldflags="-s -w -X helm.sh/helm/v4/internal/version.version=$version"
   fi
   mkdir -p "$out.tmp"
   (cd "$here/$dir" && go build -v -p "$JOBS" -trimpath ${tags:+-tags "$tags"} -ldflags "$ldflags" -o "$out.tmp/" "$@") 2>&1 \

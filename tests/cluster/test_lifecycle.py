@@ -1,0 +1,87 @@
+"""`up`/`down` of a second, separate cluster: down leaves no process and no listening port, and a
+component that crashes while starting is reported with its log instead of hanging."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from rlkube.devcluster import ClusterConfig, DevCluster, DevClusterError, listening_ports
+
+CLI = [sys.executable, "-P", "-m", "rlkube.devcluster.cli"]
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
+
+
+def test_cli_down_stops_every_process_and_closes_every_port(tmp_path: Path) -> None:
+    state_dir = tmp_path / "dc"
+    cluster = DevCluster(state_dir, ClusterConfig(gpu_nodes=1, cpu_nodes=0, timeout_s=120))
+    state = cluster.up()
+    try:
+        pids = [c["pid"] for c in state["components"]]
+        ports = [p for c in state["components"] for p in c["ports"]]
+        names = [c["name"] for c in state["components"]]
+        assert names == [
+            "etcd",
+            "kube-apiserver",
+            "kube-controller-manager",
+            "kube-scheduler",
+            "kwok",
+            "ray-operator",
+        ]
+        assert all(_alive(p) for p in pids)
+        assert state["ports"]["apiserver"] in listening_ports(ports)
+
+        env = {**os.environ, "PYTHONSAFEPATH": "1"}
+        status = subprocess.run(
+            [*CLI, "--state-dir", str(state_dir), "status"], capture_output=True, text=True, env=env
+        )
+        assert status.returncode == 0, status.stderr
+        shell_env = subprocess.run(
+            [*CLI, "--state-dir", str(state_dir), "env"], capture_output=True, text=True, env=env
+        )
+        assert shell_env.stdout.strip() == f"export KUBECONFIG={state_dir / 'kubeconfig'}"
+
+        down = subprocess.run(
+            [*CLI, "--state-dir", str(state_dir), "down"],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+        assert down.returncode == 0, down.stderr
+    finally:
+        cluster.down()  # no-op when the CLI already stopped it; cleans up if an assert failed
+    assert [p for p in pids if _alive(p)] == []
+    assert listening_ports(ports) == []
+    assert not (state_dir / "state.json").exists()
+    assert not (state_dir / "kubeconfig").exists()
+    assert (state_dir / "logs" / "kube-apiserver.log").exists(), "logs are kept for post-mortems"
+    after = subprocess.run(
+        [*CLI, "--state-dir", str(state_dir), "status"], capture_output=True, text=True, env=env
+    )
+    assert after.returncode == 1
+
+
+def test_component_crashing_at_start_is_reported_with_its_log_not_a_hang(tmp_path: Path) -> None:
+    config = ClusterConfig(gpu_nodes=1, cpu_nodes=0, timeout_s=60, extra_args={"etcd": ["--no-such-flag"]})
+    cluster = DevCluster(tmp_path / "dc", config)
+    start = time.monotonic()
+    with pytest.raises(DevClusterError) as err:
+        cluster.up()
+    assert time.monotonic() - start < 30
+    message = str(err.value)
+    assert "etcd exited" in message
+    assert "no-such-flag" in message, message
+    assert cluster.read_state() is None
+    assert not cluster.healthy()

@@ -1,0 +1,87 @@
+"""Fixtures every test can use to talk to a real Kubernetes API (see docs/devcluster.md).
+
+`devcluster` starts the local control plane once per session (or reuses a healthy one, or uses the
+external cluster named by RLKUBE_TEST_KUBECONFIG). Tests that need it fail, never skip, when it
+cannot start. Tests using it are marked `cluster` automatically.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rlkube.devcluster import DevClusterError
+from rlkube.devcluster.testing import Kubectl, TestCluster, open_test_cluster
+from rlkube.devcluster.testing import wait_for as _wait_for
+
+_CLUSTER_FIXTURES = {"devcluster", "kubeconfig", "kube_api", "kubectl", "namespace"}
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
+            item.add_marker(pytest.mark.cluster)
+
+
+@pytest.fixture(scope="session")
+def devcluster() -> Iterator[TestCluster]:
+    """The session's cluster; torn down at the end only if this session started it and is its last user."""
+    try:
+        cluster = open_test_cluster()
+    except DevClusterError as err:
+        pytest.fail(f"the test cluster could not start:\n{err}", pytrace=False)
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture(scope="session")
+def kubeconfig(devcluster: TestCluster) -> Path:
+    """Path of the admin kubeconfig of the session's cluster."""
+    return devcluster.kubeconfig
+
+
+@pytest.fixture(scope="session")
+def kube_api(kubeconfig: Path) -> Iterator[Any]:
+    """An official `kubernetes.client.ApiClient` for the session's cluster."""
+    from kubernetes import config
+
+    client = config.new_client_from_config(config_file=str(kubeconfig))
+    try:
+        yield client
+    finally:
+        client.close()
+
+
+@pytest.fixture(scope="session")
+def kubectl(kubeconfig: Path) -> Kubectl:
+    """Runs kubectl with the session's kubeconfig: `kubectl("get", "pods")` -> CompletedProcess."""
+    return Kubectl(kubeconfig)
+
+
+@pytest.fixture
+def namespace(request: pytest.FixtureRequest, kube_api: Any) -> Iterator[str]:
+    """A fresh namespace named after the test, deleted (in the background) afterwards."""
+    from kubernetes import client
+
+    core = client.CoreV1Api(kube_api)
+    stem = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:40].strip("-")
+    name = f"t-{stem}-{secrets.token_hex(3)}"
+    core.create_namespace(
+        client.V1Namespace(metadata=client.V1ObjectMeta(name=name, labels={"rlkube.io/test": "true"}))
+    )
+    try:
+        yield name
+    finally:
+        core.delete_namespace(name, propagation_policy="Background")
+
+
+@pytest.fixture
+def wait_for() -> Callable[..., Any]:
+    """`wait_for(fn, timeout, describe)`: poll fn until truthy; on timeout fail showing describe()'s YAML."""
+    return _wait_for
