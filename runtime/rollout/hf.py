@@ -1,0 +1,477 @@
+"""The hf rollout engine: plain PyTorch/transformers, runs anywhere, the reference engine.
+
+A background thread drives ``StaticDecoder`` over a fixed set of slots: it admits waiting samples
+into free slots (prefill), runs ``sync_every`` decode steps without looking at the host, then
+collects finished slots. ``submit``/``poll`` are therefore truly asynchronous; ``generate`` is
+submit-and-wait. ``abort_all`` pauses the loop at its next sync point and hands back every
+unfinished sample with the tokens it has; ``resume`` re-prefills prompt + those tokens (under
+whatever weights are loaded now) and continues with the remaining budget.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from collections.abc import Iterable, Iterator, MutableMapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from rlkube.runtime.rollout.base import (
+    Completion,
+    EngineCapabilities,
+    RolloutRequest,
+    SamplingParams,
+    UnsupportedCapability,
+    continuation_params,
+    expand_samples,
+    sample_seed,
+)
+from rlkube.runtime.rollout.hf_decode import StaticDecoder, counter_uniform
+from torch import nn
+
+
+@dataclass
+class _Work:
+    """One sample (or resumed segment) waiting for or occupying a slot."""
+
+    completion: Completion  # accumulates tokens across segments; returned to the caller
+    prefix: list[int]  # what is prefilled: prompt + tokens of earlier segments
+    params: SamplingParams  # this segment's params (n == 1, remaining budget)
+    key: int
+    version: int = 0  # weights version of this segment
+    slot: int = -1
+    max_pos: int = 0  # host-side upper bound of the slot's position
+
+
+def _key_for(params: SamplingParams, sample_index: int, offset: int, rng: torch.Generator) -> int:
+    seed = sample_seed(params, sample_index, offset)
+    if seed is None:
+        return int(torch.randint(0, 2**62, (1,), generator=rng).item())
+    return seed & ((1 << 62) - 1)
+
+
+class _ParamView(MutableMapping[str, torch.Tensor]):
+    """HF-named parameters where assignment copies *into* the existing storage.
+
+    Keeps tensor addresses stable, which the captured CUDA graphs depend on.
+    """
+
+    def __init__(self, model: nn.Module) -> None:
+        self._t: dict[str, torch.Tensor] = dict(model.state_dict(keep_vars=True))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self._t[name].data
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        dst = self._t[name]
+        if tuple(value.shape) != tuple(dst.shape):
+            raise ValueError(f"{name}: shape {tuple(value.shape)} != {tuple(dst.shape)}")
+        with torch.no_grad():
+            dst.data.copy_(value)
+
+    def __delitem__(self, name: str) -> None:
+        raise TypeError("parameters cannot be deleted")
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._t)
+
+    def __len__(self) -> int:
+        return len(self._t)
+
+
+class HFEngine:
+    """Batched static-cache decoding of an HF causal LM (Qwen2/Llama family)."""
+
+    def __init__(
+        self,
+        model_path: str | Path | None = None,
+        *,
+        model: nn.Module | None = None,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        num_slots: int = 64,
+        max_seq_len: int = 1024,
+        sync_every: int | None = None,
+        cuda_graphs: bool | None = None,
+        compile_step: bool = False,
+        max_stop_ids: int = 8,
+        seed: int = 0,
+        version: int = 0,
+    ) -> None:
+        if model is None:
+            if model_path is None:
+                raise ValueError("pass model_path or model")
+            from transformers import AutoModelForCausalLM
+
+            dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+            tdtype = _dtype(dtype) or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
+            loaded: Any = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=tdtype)
+            model = loaded.to(dev)
+        self.model = model.eval()
+        self.device = next(self.model.parameters()).device
+        self.decoder = StaticDecoder(
+            self.model,
+            num_slots=num_slots,
+            max_seq_len=max_seq_len,
+            max_new_tokens=max_seq_len,
+            max_stop_ids=max_stop_ids,
+            use_cuda_graphs=cuda_graphs,
+            compile_step=compile_step,
+        )
+        self.sync_every = sync_every or (8 if self.device.type == "cuda" else 4)
+        self._version = version
+        self._rng = torch.Generator().manual_seed(seed)
+        self._cv = threading.Condition()
+        self._waiting: deque[_Work] = deque()
+        self._slots: list[_Work | None] = [None] * num_slots
+        self._finished: list[Completion] = []
+        self._pause = 0  # callers waiting for the loop to stop at a sync point
+        self._busy = False  # the loop is inside a chunk (touching the decoder)
+        self._closed = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._loop, name="hf-rollout", daemon=True)
+        self._thread.start()
+
+    # ---- interface -------------------------------------------------------------------------
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return EngineCapabilities(
+            engine="hf",
+            sleep=False,
+            abort_resume=True,
+            async_submit=True,
+            full_weights=True,
+            delta_weights=True,
+            distributed_weights=False,
+            notes="static KV cache; CUDA graphs on CUDA; weights updated in place",
+        )
+
+    @property
+    def policy_version(self) -> int:
+        return self._version
+
+    def submit(self, requests: Sequence[RolloutRequest]) -> None:
+        """Queue requests; their samples show up in ``poll`` when finished."""
+        items = []
+        for req, k in expand_samples(requests):
+            p = req.params
+            self._check(req.prompt_ids, p)
+            comp = Completion(
+                request_id=req.request_id,
+                sample_index=k,
+                prompt_ids=[int(t) for t in req.prompt_ids],
+                token_ids=[],
+                logprobs=[],
+                finish_reason="length",
+                policy_version=self._version,
+                token_versions=[],
+                params=p,
+            )
+            seg = SamplingParams(
+                n=1,
+                temperature=p.temperature,
+                top_p=p.top_p,
+                max_tokens=p.max_tokens,
+                stop_token_ids=p.stop_token_ids,
+                seed=p.seed,
+                logprobs=p.logprobs,
+            )
+            items.append(_Work(comp, list(comp.prompt_ids), seg, _key_for(p, k, 0, self._rng)))
+        self._enqueue(items)
+
+    def resume(self, partials: Sequence[Completion]) -> None:
+        """Continue aborted samples under the current weights (their tokens become prompt)."""
+        items = []
+        for c in partials:
+            if c.finish_reason != "abort":
+                raise ValueError(f"{c.key}: only aborted completions can be resumed ({c.finish_reason})")
+            seg = continuation_params(c)
+            key = _key_for(c.params, c.sample_index, len(c.token_ids), self._rng)
+            items.append(_Work(c, [*c.prompt_ids, *c.token_ids], seg, key))
+        self._enqueue(items)
+
+    def poll(self) -> list[Completion]:
+        """Completions finished since the last call (never blocks)."""
+        with self._cv:
+            self._raise_if_failed()
+            out, self._finished = self._finished, []
+            return out
+
+    def num_in_flight(self) -> int:
+        with self._cv:
+            return len(self._waiting) + sum(w is not None for w in self._slots)
+
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[Completion]:
+        """Blocking batch call: completions in request order, samples in index order."""
+        ids = {r.request_id for r in requests}
+        want = sum(r.params.n for r in requests)
+        self.submit(requests)
+        got: list[Completion] = []
+        with self._cv:
+            while True:
+                self._raise_if_failed()
+                mine = [c for c in self._finished if c.request_id in ids]
+                if len(mine) + len(got) >= want or (not mine and not self._has_work_locked()):
+                    got.extend(mine)
+                    self._finished = [c for c in self._finished if c.request_id not in ids]
+                    break
+                self._cv.wait(timeout=1.0)
+        order = {r.request_id: i for i, r in enumerate(requests)}
+        return sorted(got, key=lambda c: (order[c.request_id], c.sample_index))
+
+    def abort_all(self) -> list[Completion]:
+        """Stop everything in flight; return the partial samples (finish_reason "abort")."""
+        with self._paused():
+            slots = [i for i, w in enumerate(self._slots) if w is not None]
+            partial = self._collect(slots, aborted=True) if slots else []
+            while self._waiting:
+                w = self._waiting.popleft()
+                w.completion.finish_reason = "abort"
+                partial.append(w.completion)
+            return partial
+
+    def sleep(self, level: int = 1) -> None:
+        raise UnsupportedCapability("the hf engine cannot free its memory (capabilities.sleep is False)")
+
+    def wake(self) -> None:
+        raise UnsupportedCapability("the hf engine cannot sleep (capabilities.sleep is False)")
+
+    def named_parameters(self) -> MutableMapping[str, torch.Tensor]:
+        """HF-named weights; assignment copies in place (what ``apply_buckets`` writes into)."""
+        return _ParamView(self.model)
+
+    def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Copy full (or partial) HF-named tensors into the model; nothing may be in flight."""
+        with self._paused():
+            self._require_idle()
+            view = _ParamView(self.model)
+            items = list(named_tensors)
+            unknown = [n for n, _ in items if n not in view]
+            if unknown:
+                raise KeyError(f"unknown parameter names: {unknown[:5]}")
+            for name, t in items:
+                view[name] = t.to(self.device)
+            self._after_update(version)
+
+    def update_weights(self, buckets: Iterable[Any], version: int) -> set[str]:
+        """Apply checksum-verified weight buckets in place (``rlkube.runtime.weights``)."""
+        from rlkube.runtime.weights import apply_buckets  # the weight-sync package owns the format
+
+        with self._paused():
+            self._require_idle()
+            changed: set[str] = apply_buckets(_ParamView(self.model), list(buckets))
+            self._after_update(version)
+            return changed
+
+    def shutdown(self) -> None:
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._thread.join(timeout=30)
+
+    def __enter__(self) -> HFEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ---- internals -------------------------------------------------------------------------
+    def _check(self, prompt: Sequence[int], p: SamplingParams) -> None:
+        if not prompt:
+            raise ValueError("empty prompt")
+        if len(prompt) + p.max_tokens > self.decoder.S:
+            raise ValueError(
+                f"prompt {len(prompt)} + max_tokens {p.max_tokens} exceeds max_seq_len {self.decoder.S}"
+            )
+        if len(p.stop_token_ids) > self.decoder.state.stop_ids.shape[1]:
+            raise ValueError(f"at most {self.decoder.state.stop_ids.shape[1]} stop ids (max_stop_ids)")
+
+    def _enqueue(self, items: list[_Work]) -> None:
+        with self._cv:
+            self._raise_if_failed()
+            for w in items:
+                if w.params.max_tokens == 0:  # nothing to do: finished at once
+                    w.completion.finish_reason = "length"
+                    self._finished.append(w.completion)
+                else:
+                    self._waiting.append(w)
+            self._cv.notify_all()
+
+    def _has_work_locked(self) -> bool:
+        return bool(self._waiting) or any(w is not None for w in self._slots)
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError("hf rollout loop failed") from self._error
+
+    def _require_idle(self) -> None:
+        if any(w is not None for w in self._slots):
+            raise RuntimeError("samples in flight: abort_all() (and resume later) before updating weights")
+
+    def _after_update(self, version: int) -> None:
+        self.decoder.refresh_fused()
+        self._version = version
+
+    class _Pause:
+        def __init__(self, eng: HFEngine) -> None:
+            self.eng = eng
+
+        def __enter__(self) -> None:
+            e = self.eng
+            e._cv.acquire()
+            e._pause += 1
+            while e._busy:
+                e._cv.wait()
+
+        def __exit__(self, *exc: object) -> None:
+            e = self.eng
+            e._pause -= 1
+            e._cv.notify_all()
+            e._cv.release()
+
+    def _paused(self) -> HFEngine._Pause:
+        """Hold the engine at a sync point (the loop is not touching the decoder)."""
+        return HFEngine._Pause(self)
+
+    def _loop(self) -> None:
+        try:
+            with torch.no_grad():
+                while True:
+                    with self._cv:
+                        while not self._closed and (self._pause or not self._has_work_locked()):
+                            self._cv.wait()
+                        if self._closed:
+                            return
+                        self._busy = True
+                        admit = self._take_admissions()
+                    try:
+                        self._admit(admit)
+                        self._run_chunk()
+                    finally:
+                        with self._cv:
+                            self._busy = False
+                            self._collect_finished()
+                            self._cv.notify_all()
+        except BaseException as exc:  # surfaced to callers by _raise_if_failed
+            with self._cv:
+                self._error = exc
+                self._busy = False
+                self._cv.notify_all()
+
+    def _take_admissions(self) -> list[_Work]:
+        free = [i for i, w in enumerate(self._slots) if w is None]
+        out = []
+        while free and self._waiting:
+            w = self._waiting.popleft()
+            w.slot = free.pop(0)
+            w.version = self._version
+            self._slots[w.slot] = w
+            out.append(w)
+        return out
+
+    def _admit(self, items: list[_Work]) -> None:
+        """Prefill new samples (one forward per distinct prefix) and sample their first token."""
+        if not items:
+            return
+        d, s = self.decoder, self.decoder.state
+        groups: dict[tuple[int, ...], list[_Work]] = {}
+        for w in items:
+            groups.setdefault(tuple(w.prefix), []).append(w)
+        for prefix, ws in groups.items():
+            slots = [w.slot for w in ws]
+            logits = d.prefill(list(prefix), slots)
+            n = len(ws)
+            dev = self.device
+            idx = torch.tensor(slots, dtype=torch.long, device=dev)
+            temp = torch.tensor([w.params.temperature for w in ws], dtype=torch.float32, device=dev)
+            top_p = torch.tensor([w.params.top_p for w in ws], dtype=torch.float32, device=dev)
+            keys = torch.tensor([w.key for w in ws], dtype=torch.long, device=dev)
+            u = counter_uniform(keys, torch.zeros(n, dtype=torch.long, device=dev))
+            tok, lp = d.sample(logits.expand(n, -1), temp, top_p, u, bool((top_p < 1).any()))
+            stops = torch.full((n, s.stop_ids.shape[1]), -1, dtype=torch.long)
+            for j, w in enumerate(ws):
+                ids = w.params.stop_token_ids
+                stops[j, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+            stops = stops.to(dev)
+            max_new = torch.tensor([w.params.max_tokens for w in ws], dtype=torch.long, device=dev)
+            hit = (stops == tok[:, None]).any(-1)
+            s.stop_ids[idx] = stops
+            s.temperature[idx] = temp
+            s.top_p[idx] = top_p
+            s.key[idx] = keys
+            s.max_new[idx] = max_new
+            s.out_tok[idx, 0] = tok
+            s.out_lp[idx, 0] = lp
+            s.n_gen[idx] = 1
+            s.cur_tok[idx] = tok
+            s.pos[idx] = len(prefix)
+            s.stopped[idx] = hit
+            s.running[idx] = ~hit & (max_new > 1)
+            for w in ws:
+                w.max_pos = len(prefix)
+        d.any_top_p = any(w is not None and w.params.top_p < 1 for w in self._slots)
+
+    def _run_chunk(self) -> None:
+        active = [w for w in self._slots if w is not None]
+        if not active:
+            return
+        d = self.decoder
+        for _ in range(self.sync_every):
+            if self._pause:
+                break
+            max_pos = max(w.max_pos for w in active)
+            d.decode(d.kv_len_for(max_pos))
+            for w in active:
+                w.max_pos = min(w.max_pos + 1, len(w.prefix) + w.params.max_tokens - 1, d.S - 1)
+
+    def _collect_finished(self) -> None:
+        slots = [i for i, w in enumerate(self._slots) if w is not None]
+        if not slots:
+            return
+        running = self.decoder.state.running[slots].tolist()
+        done = [i for i, r in zip(slots, running, strict=True) if not r]
+        if done:
+            self._finished.extend(self._collect(done, aborted=False))
+
+    def _collect(self, slots: list[int], aborted: bool) -> list[Completion]:
+        """Move the slots' tokens into their completions and free the slots."""
+        s = self.decoder.state
+        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
+        n_gen = s.n_gen[idx].tolist()
+        stopped = s.stopped[idx].tolist()
+        toks = s.out_tok[idx].tolist()
+        lps = s.out_lp[idx].tolist()
+        s.running[idx] = False
+        out = []
+        for j, slot in enumerate(slots):
+            w = self._slots[slot]
+            assert w is not None
+            n = n_gen[j]
+            w.completion.extend(toks[j][:n], lps[j][:n], w.version)
+            if aborted:
+                w.completion.finish_reason = "abort"
+            else:
+                w.completion.finish_reason = "stop" if stopped[j] else "length"
+            self._slots[slot] = None
+            out.append(w.completion)
+        return out
+
+
+def _dtype(d: str | torch.dtype | None) -> torch.dtype | None:
+    if d is None or isinstance(d, torch.dtype):
+        return d
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[str(d)]
+
+
+def teacher_forced_logprobs(
+    model: nn.Module, prompt_ids: Sequence[int], token_ids: Sequence[int]
+) -> torch.Tensor:
+    """Raw logprobs of ``token_ids`` given ``prompt_ids`` from one plain HF forward (the trainer's view)."""
+    dev = next(model.parameters()).device
+    ids = torch.tensor([[*prompt_ids, *token_ids]], dtype=torch.long, device=dev)
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
+    lp = torch.log_softmax(logits, -1)
+    return lp.gather(1, ids[0, len(prompt_ids) :, None])[:, 0].cpu()
