@@ -1,0 +1,198 @@
+"""The hf engine on the CPU in fp32: exact against plain transformers, async paths for real."""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+from rlkube.runtime.rollout import RolloutRequest, SamplingParams, UnsupportedCapability, make_engine
+from rlkube.runtime.rollout.base import Completion
+from rlkube.runtime.rollout.hf import HFEngine, teacher_forced_logprobs
+
+from .conftest import hf_greedy, hf_model
+
+# fp32 on the CPU: the engine's own forward vs transformers' forward differ only by summation order.
+LOGPROB_ATOL = 1e-4
+
+PROMPTS = [[1, 5, 6, 14, 7], [1, 9], [1, 4, 4, 4, 4, 4, 4, 4, 4, 12, 13]]
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> HFEngine:
+    eng = make_engine("hf", tiny_model_dir, device="cpu", dtype="float32", num_slots=16, max_seq_len=512)
+    assert isinstance(eng, HFEngine)
+    yield eng
+    eng.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ref(tiny_model_dir: Path) -> torch.nn.Module:
+    return hf_model(tiny_model_dir)
+
+
+def _requests(**kw: object) -> list[RolloutRequest]:
+    return [RolloutRequest(f"r{i}", p, SamplingParams(**kw)) for i, p in enumerate(PROMPTS)]  # type: ignore[arg-type]
+
+
+def test_logprobs_match_teacher_forced_forward(engine: HFEngine, ref: torch.nn.Module) -> None:
+    out = engine.generate(_requests(n=3, temperature=1.0, max_tokens=40, seed=7))
+    assert [(c.request_id, c.sample_index) for c in out] == [(f"r{i}", k) for i in range(3) for k in range(3)]
+    for c in out:
+        assert len(c.token_ids) == len(c.logprobs) == 40 and c.finish_reason == "length"
+        tf = teacher_forced_logprobs(ref, c.prompt_ids, c.token_ids)
+        err = (tf - torch.tensor(c.logprobs)).abs().max().item()
+        assert err < LOGPROB_ATOL, err
+        assert c.token_versions == [0] * 40 and c.policy_version == 0
+
+
+def test_greedy_equals_transformers_generate(engine: HFEngine, ref: torch.nn.Module) -> None:
+    out = engine.generate(_requests(temperature=0.0, max_tokens=30))
+    for c, p in zip(out, PROMPTS, strict=True):
+        assert c.token_ids == hf_greedy(ref, p, 30)
+
+
+def test_tiny_top_p_is_greedy(engine: HFEngine) -> None:
+    greedy = engine.generate(_requests(temperature=0.0, max_tokens=12))
+    nucleus = engine.generate(_requests(temperature=1.0, top_p=1e-6, max_tokens=12, seed=3))
+    assert [c.token_ids for c in nucleus] == [c.token_ids for c in greedy]
+
+
+def test_seeds_reproduce_and_samples_differ(engine: HFEngine) -> None:
+    a = engine.generate(_requests(n=2, max_tokens=16, seed=11))
+    b = engine.generate(_requests(n=2, max_tokens=16, seed=11))
+    c = engine.generate(_requests(n=2, max_tokens=16, seed=12))
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+    assert [x.token_ids for x in a] != [x.token_ids for x in c]
+    assert a[0].token_ids != a[1].token_ids  # the n samples of one prompt are independent
+
+
+def test_sampling_follows_the_temperature_distribution(engine: HFEngine, ref: torch.nn.Module) -> None:
+    prompt, temp, n = PROMPTS[0], 0.7, 3000
+    params = SamplingParams(n=n, temperature=temp, max_tokens=1)
+    out = engine.generate([RolloutRequest("dist", prompt, params)])
+    with torch.no_grad():
+        logits = ref(torch.tensor([prompt])).logits[0, -1]
+    expected = torch.softmax(logits / temp, -1)
+    freq = Counter(c.token_ids[0] for c in out)
+    empirical = torch.tensor([freq.get(i, 0) / n for i in range(expected.numel())])
+    assert 0.5 * (empirical - expected).abs().sum() < 0.05  # total variation; ~0.02 expected from noise
+
+
+def test_stop_tokens_end_the_sample(engine: HFEngine, ref: torch.nn.Module) -> None:
+    free = engine.generate([RolloutRequest("s", PROMPTS[0], SamplingParams(n=4, max_tokens=40, seed=5))])
+    # Stop on a token the unconstrained samples do produce.
+    stop = free[0].token_ids[3]
+    params = SamplingParams(n=4, max_tokens=40, seed=5, stop_token_ids=(stop,))
+    out = engine.generate([RolloutRequest("s", PROMPTS[0], params)])
+    assert out[0].finish_reason == "stop"
+    for c, f in zip(out, free, strict=True):
+        if c.finish_reason == "stop":
+            assert c.token_ids[-1] == stop and stop not in c.token_ids[:-1]
+            assert c.token_ids == f.token_ids[: len(c.token_ids)]  # same stream, cut at the stop
+        else:
+            assert stop not in c.token_ids and len(c.token_ids) == 40
+
+
+def test_submit_poll_is_asynchronous(engine: HFEngine) -> None:
+    engine.submit(_requests(n=2, max_tokens=20, seed=1))
+    got: list[Completion] = []
+    deadline = time.monotonic() + 60
+    while len(got) < 6 and time.monotonic() < deadline:
+        got += engine.poll()
+        time.sleep(0.02)
+    assert len(got) == 6 and engine.num_in_flight() == 0
+    assert all(len(c.token_ids) == 20 for c in got)
+
+
+def test_abort_then_resume_under_new_weights(
+    engine: HFEngine, tiny_model_dir: Path, perturbed_state: dict[str, torch.Tensor], ref: torch.nn.Module
+) -> None:
+    original = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    max_tokens = 400
+    partials: list[Completion] = []
+    for _ in range(20):  # wait until the loop has produced some (not all) tokens
+        engine.submit(_requests(n=2, max_tokens=max_tokens, seed=2))
+        time.sleep(0.2)
+        partials = engine.abort_all()
+        if any(0 < len(p.token_ids) < max_tokens for p in partials):
+            break
+    assert len(partials) == 6 and all(p.finish_reason == "abort" for p in partials)
+    assert engine.num_in_flight() == 0
+    for p in partials:  # the kept tokens are what version 0 produced
+        assert len(p.token_ids) == len(p.logprobs) and p.token_versions == [0] * len(p.token_ids)
+        if p.token_ids:
+            tf = teacher_forced_logprobs(ref, p.prompt_ids, p.token_ids)
+            assert torch.allclose(torch.tensor(p.logprobs), tf, atol=LOGPROB_ATOL)
+
+    new = hf_model(tiny_model_dir, perturbed_state)
+    engine.load_weights(perturbed_state.items(), version=1)
+    try:
+        engine.resume(partials)
+        deadline = time.monotonic() + 120
+        done: list[Completion] = []
+        while len(done) < 6 and time.monotonic() < deadline:
+            done += engine.poll()
+            time.sleep(0.05)
+        assert len(done) == 6
+        for c in done:
+            k = sum(v == 0 for v in c.token_versions)
+            assert len(c.token_ids) == max_tokens and c.finish_reason == "length"
+            assert c.policy_version == 0 and c.token_versions == [0] * k + [1] * (max_tokens - k)
+            assert c.resumed_versions == [1]
+            # Continuation logprobs are under the new weights, with the old tokens as prompt.
+            tf = teacher_forced_logprobs(new, c.prompt_ids + c.token_ids[:k], c.token_ids[k:])
+            assert torch.allclose(torch.tensor(c.logprobs[k:]), tf, atol=LOGPROB_ATOL)
+    finally:
+        engine.load_weights(original.items(), version=2)
+
+
+def test_loaded_weights_decode_exactly_like_pytorch(
+    engine: HFEngine, tiny_model_dir: Path, perturbed_state: dict[str, torch.Tensor]
+) -> None:
+    original = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    before = engine.generate(_requests(temperature=0.0, max_tokens=24))
+    new = hf_model(tiny_model_dir, perturbed_state)
+    engine.load_weights(perturbed_state.items(), version=5)
+    try:
+        assert engine.policy_version == 5
+        after = engine.generate(_requests(temperature=0.0, max_tokens=24))
+        assert [c.token_ids for c in after] != [c.token_ids for c in before]
+        for c, p in zip(after, PROMPTS, strict=True):
+            assert c.token_ids == hf_greedy(new, p, 24)
+            assert c.policy_version == 5 and set(c.token_versions) == {5}
+            tf = teacher_forced_logprobs(new, p, c.token_ids)
+            assert torch.allclose(torch.tensor(c.logprobs), tf, atol=LOGPROB_ATOL)
+    finally:
+        engine.load_weights(original.items(), version=6)
+    assert [c.token_ids for c in engine.generate(_requests(temperature=0.0, max_tokens=24))] == [
+        c.token_ids for c in before
+    ]
+
+
+def test_weights_cannot_change_under_running_samples(engine: HFEngine) -> None:
+    engine.submit(_requests(max_tokens=400, seed=4))
+    time.sleep(0.05)
+    try:
+        if engine.num_in_flight():
+            with pytest.raises(RuntimeError, match="abort_all"):
+                engine.load_weights(list(engine.model.state_dict().items())[:1], version=9)
+    finally:
+        engine.abort_all()
+
+
+def test_capabilities_are_honest(engine: HFEngine) -> None:
+    caps = engine.capabilities
+    assert caps.engine == "hf" and caps.abort_resume and not caps.sleep and caps.logprobs_mode == "raw"
+    with pytest.raises(UnsupportedCapability):
+        engine.sleep(1)
+
+
+def test_bad_requests_are_refused(engine: HFEngine) -> None:
+    with pytest.raises(ValueError, match="max_seq_len"):
+        engine.generate([RolloutRequest("big", [1] * 500, SamplingParams(max_tokens=100))])
+    with pytest.raises(ValueError, match="duplicate"):
+        engine.generate([RolloutRequest("x", [1]), RolloutRequest("x", [1])])
+    assert engine.generate([RolloutRequest("z", [1, 2], SamplingParams(max_tokens=0))])[0].token_ids == []
