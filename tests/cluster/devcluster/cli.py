@@ -8,8 +8,11 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
 from .cluster import ClusterConfig, DevCluster
 from .errors import DevClusterError
+from .nodes import node_manifests
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -19,10 +22,14 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="cmd", required=True)
     up = sub.add_parser("up", help="start the cluster (no-op if it already runs)")
-    up.add_argument("--nodes", type=int, default=4, help="fake GPU nodes (half MI300X, half MI355X)")
-    up.add_argument("--gpus-per-node", type=int, default=8, help="allocatable amd.com/gpu per GPU node")
-    up.add_argument("--cpu-nodes", type=int, default=1, help="CPU-only nodes (for Ray heads)")
-    up.add_argument("--gpu-taint", action="store_true", help="taint GPU nodes amd.com/gpu=present:NoSchedule")
+    nodes = sub.add_parser("nodes-yaml", help="print the fake nodes as YAML (to add them to kind + kwok)")
+    for cmd in (up, nodes):
+        cmd.add_argument("--nodes", type=int, default=4, help="fake GPU nodes (half MI300X, half MI355X)")
+        cmd.add_argument("--gpus-per-node", type=int, default=8, help="allocatable amd.com/gpu per GPU node")
+        cmd.add_argument("--cpu-nodes", type=int, default=1, help="CPU-only nodes (for Ray heads)")
+        cmd.add_argument(
+            "--gpu-taint", action="store_true", help="taint GPU nodes amd.com/gpu=present:NoSchedule"
+        )
     up.add_argument("--no-kuberay", action="store_true", help="skip the KubeRay CRDs and operator")
     up.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for all-Ready")
     sub.add_parser("down", help="stop exactly the processes `up` started and remove the state")
@@ -33,6 +40,10 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.cmd == "nodes-yaml":
+        items = node_manifests(args.nodes, args.gpus_per_node, args.cpu_nodes, args.gpu_taint)
+        print(yaml.safe_dump({"apiVersion": "v1", "kind": "List", "items": items}, sort_keys=False), end="")
+        return 0
     if args.cmd == "up":
         config = ClusterConfig(
             gpu_nodes=args.nodes,

@@ -67,7 +67,7 @@ def _node(name: str, labels: dict[str, str], capacity: dict[str, str], taints: l
         "spec": spec,
         "status": {
             "capacity": capacity,
-            "allocatable": capacity,
+            "allocatable": dict(capacity),
             "nodeInfo": {
                 "architecture": "amd64",
                 "operatingSystem": "linux",
@@ -94,7 +94,7 @@ def gpu_node(name: str, profile: GpuProfile, gpus: int, taint: bool) -> dict:
         POOL_LABEL: "gpu",
         "node.kubernetes.io/instance-type": f"fake-{profile.model}",
     }
-    return _node(name, labels, capacity, [GPU_TAINT] if taint else [])
+    return _node(name, labels, capacity, [dict(GPU_TAINT)] if taint else [])
 
 
 def cpu_node(name: str) -> dict:
