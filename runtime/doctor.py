@@ -168,7 +168,8 @@ def diagnose(report: Mapping[str, Any]) -> list[Problem]:
                     "TORCH_ZERO_GPUS",
                     "error",
                     f"torch (HIP {torch_r['hip']}) sees 0 GPUs while {smi_name} lists {smi_count}. "
-                    "On TheRock-based ROCm images this is the rocm_sdk library preload with RTLD_GLOBAL making "
+                    "On TheRock-based ROCm images this is the rocm_sdk library preload with RTLD_GLOBAL "
+                    "making "
                     "torch.cuda.device_count() collapse to 0; otherwise check /dev/kfd and /dev/dri access "
                     "(video/render groups) and the visibility masks.",
                     "Preload the ROCm SDK libraries with RTLD_LOCAL (Dockerfile.rocm does).",
