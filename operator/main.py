@@ -87,6 +87,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ]
     kopf.configure(verbose=args.verbose, quiet=args.quiet, log_format=fmt)
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
+    if not args.verbose:
+        # Kopf logs every watch-event handler run at INFO ("Handler 'pod_event' succeeded"): thousands a
+        # minute on a busy cluster. Our own decisions log on rlkube.operator; Kopf's warnings still show.
+        logging.getLogger("kopf.objects").setLevel(logging.WARNING)
 
     namespaces = args.namespace if args.namespace is not None else _env_list("RLKUBE_NAMESPACES")
     clusterwide = args.all_namespaces or not namespaces

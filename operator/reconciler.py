@@ -181,6 +181,7 @@ class Reconciler:
                 state.ray_job_name = str(obj["metadata"]["name"])
             await self.kube.apply(obj, field_manager=self.config.field_manager, force=True)
         state.applied_generation = gen
+        log.info("applied %d children of RLJob %s/%s (generation %d)", len(objs), key[0], key[1], gen)
         self.mark(key)
 
     # ----------------------------------------------------------------------------- status
@@ -244,12 +245,12 @@ class Reconciler:
     ) -> dict[str, Any]:
         out: dict[str, Any] = {}
         if state.gpus is not None:
-            out["gpus"] = state.gpus if phase == "Running" else 0
+            out["gpus"] = state.gpus  # requested trainer + rollout GPUs (the GPUS column)
         if phase == "Running" and not current.get("startTime"):
             out["startTime"] = now_rfc3339()
         elif current.get("startTime"):
             out["startTime"] = current["startTime"]
-        if phase in TERMINAL and not current.get("completionTime"):
+        if phase in TERMINAL and state.validation_errors == [] and not current.get("completionTime"):
             out["completionTime"] = now_rfc3339()
         elif current.get("completionTime"):
             out["completionTime"] = current["completionTime"]

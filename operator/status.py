@@ -414,6 +414,8 @@ def transitions(previous: Mapping[str, Any] | None, new: DerivedStatus) -> list[
         old = old_conds.get(c.type)
         if old is not None and old.get("status") == c.status and old.get("reason") == c.reason:
             continue
+        if c.type == "Failed" and c.reason == "InvalidSpec":
+            continue  # Valid=False already said it
         if old is None and c.status != "True" and (c.type, c.status) not in _BAD and c.type != "ClusterReady":
             continue  # the initial False/Unknown of every condition is noise, not news
         warning = (c.type, c.status) in _BAD or (

@@ -152,7 +152,7 @@ def _ray_params(values: dict[str, Any]) -> dict[str, str]:
     return {k: str(v) for k, v in values.items()}
 
 
-def _ray_resources(resources: dict[str, float]) -> str:
+def _ray_resources(resources: dict[str, int]) -> str:
     """rayStartParams `resources`: single-quoted JSON, the form KubeRay itself writes and re-parses."""
     return "'" + json.dumps(resources, sort_keys=True) + "'"
 
@@ -248,7 +248,7 @@ def _worker_group(
     elif not resource.endswith("gpu"):
         # KubeRay maps only limits ending in "gpu" to Ray GPUs; partitions (amd.com/cpx_nps4) need this.
         params["num-gpus"] = gpus
-    params["resources"] = _ray_resources({ray_resource_name(group): float(max(gpus, 1))})
+    params["resources"] = _ray_resources({ray_resource_name(group): max(gpus, 1)})
     limits: dict[str, Any] = {"cpu": str(cpus), "memory": memory}
     if resource is not None and gpus > 0:
         limits[resource] = str(gpus)
