@@ -12,7 +12,9 @@ import concurrent.futures as cf
 import importlib
 import multiprocessing
 import time
+from collections import deque
 from collections.abc import Callable
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 from rlkube.runtime.rewards.base import RewardResult, check_batch
@@ -32,8 +34,9 @@ def math_verify_equal(pred: str, truth: str) -> bool:
     return bool(verify(gold, answer))
 
 
-def _warmup(module: str) -> bool:
-    importlib.import_module(module)
+def _warmup(modules: tuple[str, ...]) -> bool:
+    for module in modules:
+        importlib.import_module(module)
     return True
 
 
@@ -41,7 +44,10 @@ class MathVerifyPool:
     """Runs ``verify_fn(pred, truth)`` for many pairs in spawned workers, each with its own deadline.
 
     At most ``workers`` items are in flight; an item's clock starts when it is submitted to an idle
-    (already started and warmed) worker, so pool start-up never counts against it.
+    (already started and warmed) worker, so pool start-up never counts against it. An item past its
+    deadline scores ``(False, "timeout")`` and the pool is rebuilt. If a worker dies, the items that
+    were in flight with it are retried one at a time, so only the one that kills a worker alone is
+    reported ``"worker died"``.
     """
 
     def __init__(
@@ -50,7 +56,6 @@ class MathVerifyPool:
         workers: int = 2,
         timeout_s: float = 10.0,
         verify_fn: VerifyFn = math_verify_equal,
-        warm_module: str = "math_verify",
         startup_timeout_s: float = 120.0,
     ) -> None:
         if workers <= 0 or timeout_s <= 0:
@@ -58,17 +63,18 @@ class MathVerifyPool:
         self.workers = workers
         self.timeout_s = timeout_s
         self.verify_fn = verify_fn
-        self.warm_module = warm_module
         self.startup_timeout_s = startup_timeout_s
+        extra = ("math_verify",) if verify_fn is math_verify_equal else ()
+        self._warm_modules: tuple[str, ...] = (verify_fn.__module__, *extra)
         self._pool: cf.ProcessPoolExecutor | None = None
         self.recycles = 0
 
     def _start(self) -> cf.ProcessPoolExecutor:
         if self._pool is None:
-            pool = cf.ProcessPoolExecutor(
-                max_workers=self.workers, mp_context=multiprocessing.get_context("spawn")
-            )
-            warm = [pool.submit(_warmup, self.warm_module) for _ in range(self.workers)]
+            ctx = multiprocessing.get_context("spawn")
+            pool = cf.ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx)
+            # One warm-up per worker: workers are spawned on demand, so this starts all of them.
+            warm = [pool.submit(_warmup, self._warm_modules) for _ in range(self.workers)]
             cf.wait(warm, timeout=self.startup_timeout_s)
             self._pool = pool
         return self._pool
@@ -78,12 +84,12 @@ class MathVerifyPool:
         if pool is None:
             return
         # ProcessPoolExecutor has no public way to stop a running task; terminate its workers.
-        procs = list(getattr(pool, "_processes", {}).values())
-        for p in procs:
-            p.terminate()
+        processes = list((getattr(pool, "_processes", None) or {}).values())
+        for proc in processes:
+            proc.terminate()
         pool.shutdown(wait=False, cancel_futures=True)
-        for p in procs:
-            p.join(timeout=5)
+        for proc in processes:
+            proc.join(timeout=5)
         self.recycles += 1
 
     def close(self) -> None:
@@ -93,37 +99,51 @@ class MathVerifyPool:
             self._pool = None
 
     def map(self, pairs: list[tuple[str, str]]) -> list[tuple[bool, str | None]]:
-        """``(equal, error)`` per ``(pred, truth)``; error is ``"timeout"`` or the exception text."""
+        """``(equal, error)`` per ``(pred, truth)``; error is ``"timeout"``, ``"worker died"`` or the
+        exception the function raised."""
         results: list[tuple[bool, str | None] | None] = [None] * len(pairs)
-        pending = list(range(len(pairs)))[::-1]  # a stack, popped from the end: input order
-        in_flight: dict[cf.Future[bool], tuple[int, float]] = {}
-        while pending or in_flight:
+        pending = deque(range(len(pairs)))
+        suspects: deque[int] = deque()  # in flight when a worker died: retried alone
+        in_flight: dict[cf.Future[bool], tuple[int, float, bool]] = {}  # index, start, isolated
+        while pending or suspects or in_flight:
             pool = self._start()
-            while pending and len(in_flight) < self.workers:
-                i = pending.pop()
-                in_flight[pool.submit(self.verify_fn, *pairs[i])] = (i, time.monotonic())
-            soonest = min(start for _, start in in_flight.values()) + self.timeout_s
+            if suspects:
+                if not in_flight:
+                    i = suspects.popleft()
+                    in_flight[pool.submit(self.verify_fn, *pairs[i])] = (i, time.monotonic(), True)
+            else:
+                while pending and len(in_flight) < self.workers:
+                    i = pending.popleft()
+                    in_flight[pool.submit(self.verify_fn, *pairs[i])] = (i, time.monotonic(), False)
+            deadline = min(start for _, start, _ in in_flight.values()) + self.timeout_s
             done, _ = cf.wait(
-                list(in_flight), timeout=max(0.0, soonest - time.monotonic()), return_when=cf.FIRST_COMPLETED
+                list(in_flight), timeout=max(0.0, deadline - time.monotonic()), return_when=cf.FIRST_COMPLETED
             )
             broken = False
             for fut in done:
-                i, _start = in_flight.pop(fut)
+                i, _start, isolated = in_flight.pop(fut)
                 try:
                     results[i] = (bool(fut.result()), None)
-                except cf.process.BrokenProcessPool as e:
-                    results[i] = (False, f"worker died: {e}")
+                except BrokenProcessPool:
                     broken = True
+                    if isolated:
+                        results[i] = (False, "worker died")
+                    else:
+                        suspects.append(i)
                 except Exception as e:
                     results[i] = (False, f"{type(e).__name__}: {e}")
             now = time.monotonic()
-            overdue = [f for f, (_, start) in in_flight.items() if now - start >= self.timeout_s]
+            overdue = [f for f, (_, start, _) in in_flight.items() if now - start >= self.timeout_s]
             if overdue or broken:
                 for fut in overdue:
-                    i, _start = in_flight.pop(fut)
+                    i, _start, _iso = in_flight.pop(fut)
                     results[i] = (False, "timeout")
-                # The survivors restart on the fresh pool with fresh clocks.
-                pending.extend(i for i, _ in sorted(in_flight.values(), reverse=True))
+                # The survivors restart on a fresh pool with fresh clocks.
+                for i, _start, isolated in sorted(in_flight.values(), reverse=True):
+                    if broken and not isolated:
+                        suspects.appendleft(i)
+                    else:
+                        pending.appendleft(i)
                 in_flight.clear()
                 self._kill()
         return [r if r is not None else (False, "lost") for r in results]
