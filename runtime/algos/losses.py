@@ -64,6 +64,7 @@ def ppo_policy_loss(
     agg_mode: str = "token-mean",
     global_tokens: int | float | None = None,
     global_seqs: int | None = None,
+    norm_constant: float | None = None,
 ) -> tuple[Tensor, PolicyLossMetrics]:
     """PPO-clip surrogate (Schulman et al. 2017, eq. 7), negated to be minimised.
 
@@ -73,6 +74,7 @@ def ppo_policy_loss(
     so a huge ratio on a bad token cannot blow up the update; positive advantages are untouched.
     ``advantages`` may be ``[B]`` (sequence-level, broadcast over tokens) or ``[B, T]``. At a ratio exactly
     on a clip bound the loss is unclipped and the gradient still flows; it stops just past the bound.
+    ``agg_mode``, ``global_tokens``, ``global_seqs`` and ``norm_constant`` go to :func:`aggregate_loss`.
     """
     if clip_c is not None and clip_c <= 1.0:
         raise ValueError(f"dual-clip constant clip_c must be > 1, got {clip_c}")
@@ -93,7 +95,9 @@ def ppo_policy_loss(
         loss = torch.where(negative, torch.minimum(loss, loss_dual), loss)
     else:
         dual = torch.zeros_like(clipped)
-    pg_loss = aggregate_loss(loss, m, agg_mode, global_tokens=global_tokens, global_seqs=global_seqs)
+    pg_loss = aggregate_loss(
+        loss, m, agg_mode, global_tokens=global_tokens, global_seqs=global_seqs, norm_constant=norm_constant
+    )
 
     with torch.no_grad():
         fm = m.detach()
@@ -120,6 +124,7 @@ def value_loss(
     *,
     global_tokens: int | float | None = None,
     global_seqs: int | None = None,
+    norm_constant: float | None = None,
 ) -> tuple[Tensor, ValueLossMetrics]:
     """Clipped critic loss ``0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)``.
 
@@ -137,7 +142,14 @@ def value_loss(
         clipped_loss = (v_clip - returns) ** 2
         per_token = torch.maximum(unclipped, clipped_loss)
         clipped = clipped_loss > unclipped
-    loss = 0.5 * aggregate_loss(per_token, m, agg_mode, global_tokens=global_tokens, global_seqs=global_seqs)
+    loss = 0.5 * aggregate_loss(
+        per_token,
+        m,
+        agg_mode,
+        global_tokens=global_tokens,
+        global_seqs=global_seqs,
+        norm_constant=norm_constant,
+    )
     with torch.no_grad():
         metrics = ValueLossMetrics(
             clip_frac=masked_mean(clipped.to(m.dtype), m.detach()),

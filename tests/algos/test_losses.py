@@ -123,6 +123,10 @@ def test_policy_loss_aggregation_mode_is_applied() -> None:
     assert tm.item() == pytest.approx(-7 / 4)
     assert sm.item() == pytest.approx(-(1 + 4) / 2)
     assert half.item() == pytest.approx(-7 / 8)
+    norm, _ = ppo_policy_loss(
+        logp2, torch.zeros_like(logp2), adv, mask, agg_mode="seq-mean-token-sum-norm", norm_constant=14
+    )
+    assert norm.item() == pytest.approx(-7 / 14)
 
 
 def test_value_loss_clipped() -> None:
