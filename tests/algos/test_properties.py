@@ -62,7 +62,7 @@ def test_gae_ignores_whatever_sits_under_padding(t: int, seed: int, gamma: float
 @given(st.floats(-3.0, 3.0), st.floats(-2.0, 2.0))
 def test_clip_is_pessimistic_and_dual_clip_caps_negative_advantages(log_ratio: float, adv: float) -> None:
     # PPO's objective is a lower bound of the unclipped one: loss >= -A * r. The dual clip may only
-    # lower the loss of a negative-advantage token, and never below -A * c... nor above it.
+    # lower the loss of a negative-advantage token, to min(loss, -A * c).
     lp = torch.tensor([[log_ratio]], dtype=torch.float64)
     a = torch.tensor([[adv]], dtype=torch.float64)
     ratio = torch.exp(lp).item()
