@@ -187,9 +187,9 @@ class DevCluster:
 
     @contextlib.contextmanager
     def lock(self, timeout_s: float = 300.0) -> Iterator[None]:
-        """Serialise up/down/attach across processes (a lock file next to the state dir)."""
-        self.state_dir.parent.mkdir(parents=True, exist_ok=True)
-        path = self.state_dir.with_name(self.state_dir.name + ".lock")
+        """Serialise up/down/attach across processes (`<state>/.lock`, which `down` keeps)."""
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        path = self.state_dir / ".lock"
         with path.open("a") as f:
             deadline = time.monotonic() + timeout_s
             while True:
@@ -659,7 +659,7 @@ class DevCluster:
         if not self.state_dir.exists():
             return
         for entry in self.state_dir.iterdir():
-            if keep_logs and entry.name == "logs":
+            if entry.name == ".lock" or (keep_logs and entry.name == "logs"):
                 continue
             if entry.is_dir() and not entry.is_symlink():
                 shutil.rmtree(entry, ignore_errors=True)
