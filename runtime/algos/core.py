@@ -89,8 +89,9 @@ def aggregate_loss(
     """
     m = mask.to(loss_mat.dtype)
     if mode == "token-mean":
-        denom = m.sum() if global_tokens is None else torch.as_tensor(float(global_tokens))
-        return masked_sum(loss_mat, m) / denom.clamp(min=1.0)
+        if global_tokens is not None:
+            return masked_sum(loss_mat, m) / max(float(global_tokens), 1.0)
+        return masked_sum(loss_mat, m) / m.sum().clamp(min=1.0)
     if mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
         seq = masked_sum(loss_mat, m, dim=-1)
         if mode == "seq-mean-token-mean":

@@ -39,8 +39,12 @@ def dynamic_sampling_keep(rewards: Tensor, group_index: Tensor) -> Tensor:
     _, inverse = torch.unique(group_index, return_inverse=True)
     n = int(inverse.max().item()) + 1 if inverse.numel() else 0
     r = rewards.to(torch.float64)
-    gmax = torch.full((n,), -torch.inf, dtype=torch.float64).scatter_reduce(0, inverse, r, "amax")
-    gmin = torch.full((n,), torch.inf, dtype=torch.float64).scatter_reduce(0, inverse, r, "amin")
+    gmax = torch.full((n,), -torch.inf, dtype=torch.float64, device=r.device).scatter_reduce(
+        0, inverse, r, "amax"
+    )
+    gmin = torch.full((n,), torch.inf, dtype=torch.float64, device=r.device).scatter_reduce(
+        0, inverse, r, "amin"
+    )
     return (gmax > gmin)[inverse]
 
 

@@ -34,9 +34,11 @@ def math_verify_equal(pred: str, truth: str) -> bool:
     return bool(verify(gold, answer))
 
 
-def _warmup(modules: tuple[str, ...]) -> bool:
+def _warmup(modules: tuple[str, ...], exercise_math_verify: bool) -> bool:
     for module in modules:
         importlib.import_module(module)
+    if exercise_math_verify:  # the first parse builds sympy/LaTeX-parser state: keep it off the clock
+        math_verify_equal("1", "1")
     return True
 
 
@@ -74,7 +76,8 @@ class MathVerifyPool:
             ctx = multiprocessing.get_context("spawn")
             pool = cf.ProcessPoolExecutor(max_workers=self.workers, mp_context=ctx)
             # One warm-up per worker: workers are spawned on demand, so this starts all of them.
-            warm = [pool.submit(_warmup, self._warm_modules) for _ in range(self.workers)]
+            exercise = self.verify_fn is math_verify_equal
+            warm = [pool.submit(_warmup, self._warm_modules, exercise) for _ in range(self.workers)]
             cf.wait(warm, timeout=self.startup_timeout_s)
             self._pool = pool
         return self._pool
