@@ -43,6 +43,11 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
         import pyarrow.parquet as pq
 
         return [dict(r) for r in pq.read_table(path).to_pylist()]
+    if suffix == ".json" and path.read_text(encoding="utf-8").lstrip().startswith("["):
+        data = json.loads(path.read_text(encoding="utf-8"))
+        if not all(isinstance(r, dict) for r in data):
+            raise ValueError(f"{path}: expected a JSON array of objects")
+        return [dict(r) for r in data]
     if suffix in (".jsonl", ".json", ".ndjson"):
         rows: list[dict[str, Any]] = []
         with path.open(encoding="utf-8") as f:
@@ -70,7 +75,7 @@ def _prompt_of(value: Any, where: str) -> tuple[str, list[dict[str, str]] | None
 
 
 def load_records(path: str | Path, *, prompt_key: str = "prompt", answer_key: str = "answer") -> list[Record]:
-    """Records from a ``.jsonl`` (one object a line) or ``.parquet`` file.
+    """Records from a ``.jsonl`` (one object a line), ``.json`` (that, or one array) or ``.parquet`` file.
 
     Keys may be dotted paths into nested objects (``reward_model.ground_truth``). The verl layout
     (chat-message prompt, answer under ``reward_model.ground_truth``) is read as is: when the default

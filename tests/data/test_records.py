@@ -24,6 +24,12 @@ def test_jsonl_plain_layout_with_extra_fields(tmp_path: Path) -> None:
     assert recs == [Record("2+2=", "4", {"id": 7}), Record("1+0=", "1", {})]
 
 
+def test_json_array_file(tmp_path: Path) -> None:
+    p = tmp_path / "d.json"
+    p.write_text(json.dumps([{"prompt": "a", "answer": "1"}, {"prompt": "b", "answer": "2"}]))
+    assert [(r.prompt, r.answer) for r in load_records(p)] == [("a", "1"), ("b", "2")]
+
+
 def test_custom_and_dotted_keys(tmp_path: Path) -> None:
     p = _jsonl(tmp_path / "d.jsonl", [{"question": "q?", "meta": {"gold": "42"}}])
     (rec,) = load_records(p, prompt_key="question", answer_key="meta.gold")
