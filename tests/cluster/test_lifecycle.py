@@ -1,5 +1,6 @@
-"""`up`/`down` of a second, separate cluster: down leaves no process and no listening port, and a
-component that crashes while starting is reported with its log instead of hanging."""
+"""`up`/`down` of a second, separate cluster: reuse and explicit selection work, down leaves no
+process and no listening port, and a component that crashes while starting is reported with its
+log instead of hanging."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 from rlkube.devcluster import ClusterConfig, DevCluster, DevClusterError, listening_ports
+from rlkube.devcluster.testing import TEST_KUBECONFIG_ENV, Kubectl, open_test_cluster
 
 CLI = [sys.executable, "-P", "-m", "rlkube.devcluster.cli"]
 
@@ -23,7 +25,9 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_cli_down_stops_every_process_and_closes_every_port(tmp_path: Path) -> None:
+def test_cli_down_stops_every_process_and_closes_every_port(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     state_dir = tmp_path / "dc"
     cluster = DevCluster(state_dir, ClusterConfig(gpu_nodes=1, cpu_nodes=0, timeout_s=120))
     state = cluster.up()
@@ -41,6 +45,26 @@ def test_cli_down_stops_every_process_and_closes_every_port(tmp_path: Path) -> N
         ]
         assert all(_alive(p) for p in pids)
         assert state["ports"]["apiserver"] in listening_ports(ports)
+
+        # A test session reuses a healthy cluster someone started and leaves it running.
+        other = DevCluster(state_dir)
+        assert other.attach("pytest-reuser") is False
+        assert other.detach("pytest-reuser") is False
+        assert other.healthy()
+
+        # An explicit RLKUBE_TEST_KUBECONFIG selects that cluster; an ambient KUBECONFIG is ignored.
+        monkeypatch.setenv(TEST_KUBECONFIG_ENV, str(state_dir / "kubeconfig"))
+        monkeypatch.setenv("KUBECONFIG", str(tmp_path / "nonexistent-kubeconfig"))
+        external = open_test_cluster()
+        assert external.external and external.kubeconfig == state_dir / "kubeconfig"
+        nodes = Kubectl(external.kubeconfig)("get", "nodes", "-o", "name").stdout.split()
+        assert nodes == ["node/gpu-mi300x-000"]
+        external.close()
+        assert cluster.healthy(), "closing an external cluster must not stop it"
+        monkeypatch.setenv(TEST_KUBECONFIG_ENV, str(tmp_path / "missing"))
+        with pytest.raises(DevClusterError, match="no such file"):
+            open_test_cluster()
+        monkeypatch.delenv("KUBECONFIG")
 
         env = {**os.environ, "PYTHONSAFEPATH": "1"}
         status = subprocess.run(
