@@ -47,7 +47,7 @@ test: venv cluster-build
 	$(PYTEST) -p no:cacheprovider tests
 
 demo: venv cluster-build
-	$(PY) -m rlkube.demo
+	$(PY) -m rlkube.devcluster.demo
 
 bench-operator: venv cluster-build
 	$(PY) bench/operator_bench.py
