@@ -8,8 +8,9 @@ responses sampled from the same prompt share an id); they return one advantage p
 from __future__ import annotations
 
 import torch
-from rlkube.runtime.algos.core import masked_whiten
 from torch import Tensor
+
+from rlkube.runtime.algos.core import masked_whiten
 
 ESTIMATORS: tuple[str, ...] = ("grpo", "rloo", "reinforce_pp", "gae")
 _ALGORITHM_ESTIMATOR = {

@@ -6,8 +6,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
-from rlkube.runtime.algos.core import aggregate_loss, masked_mean
 from torch import Tensor
+
+from rlkube.runtime.algos.core import aggregate_loss, masked_mean
 
 
 @dataclass(frozen=True)

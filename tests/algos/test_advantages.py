@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from rlkube.runtime.algos import (
     compute_advantages,
     discounted_returns,

@@ -8,6 +8,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rlkube.runtime.algos import AGG_MODES, aggregate_loss, masked_mean, masked_sum, masked_var, masked_whiten
 
 torch.set_num_threads(1)

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from rlkube.runtime.algos import entropy_from_logits, logprobs_from_logits, ppo_policy_loss, value_loss
 
 torch.set_num_threads(1)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from rlkube.runtime.algos import gae, grpo_advantages, ppo_policy_loss, rloo_advantages
 
 torch.set_num_threads(1)

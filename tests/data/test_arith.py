@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from rlkube.runtime.data import make_arith_records
 
 

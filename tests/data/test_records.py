@@ -8,6 +8,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+
 from rlkube.runtime.data import Record, load_records, split_records, write_jsonl
 
 

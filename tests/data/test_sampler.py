@@ -6,6 +6,7 @@ import json
 from collections import Counter
 
 import pytest
+
 from rlkube.runtime.data import PromptSampler, Record
 
 RECS = [Record(f"p{i}", str(i)) for i in range(10)]

@@ -6,10 +6,10 @@ import multiprocessing
 import time
 
 import pytest
-from rlkube.runtime.rewards import get_reward_fn
-from rlkube.runtime.rewards.math_reward import MathReward, MathVerifyPool
 
 from rewards._slow_verify import slow_verify
+from rlkube.runtime.rewards import get_reward_fn
+from rlkube.runtime.rewards.math_reward import MathReward, MathVerifyPool
 
 
 def test_string_match_needs_no_subprocess() -> None:

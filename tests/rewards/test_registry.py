@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from rlkube.runtime.rewards import REWARD_NAMES, RewardFn, RewardResult, get_reward_fn
 
 

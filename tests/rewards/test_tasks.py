@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from rlkube.runtime.rewards import RewardResult, get_reward_fn
 from rlkube.runtime.rewards.extract import last_boxed, normalize_answer
 
