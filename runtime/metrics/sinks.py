@@ -1,0 +1,153 @@
+"""Metric sinks. The JSONL file is the record of truth (the resume test reads its step sequence);
+TensorBoard and the terminal line are views of the same dicts."""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+log = logging.getLogger(__name__)
+
+
+class Sink(Protocol):
+    def write(self, step: int, metrics: dict[str, float]) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _clean(metrics: dict[str, Any]) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for k, v in metrics.items():
+        try:
+            f = float(v)
+        except (TypeError, ValueError):
+            continue
+        if math.isfinite(f):
+            out[k] = f
+    return out
+
+
+class JsonlSink:
+    """One JSON object per step, flushed and fsynced, so a SIGKILL loses at most the line in flight."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = self.path.open("a", encoding="utf-8")
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        import os
+
+        self._f.write(json.dumps({"step": step, **metrics}, sort_keys=True) + "\n")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
+    """Rows of a metrics file, skipping a torn last line."""
+    rows = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+class TensorBoardSink:
+    def __init__(self, logdir: str | Path) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        self._w = SummaryWriter(log_dir=str(logdir))
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        for k, v in metrics.items():
+            self._w.add_scalar(k, v, step)
+        self._w.flush()
+
+    def close(self) -> None:
+        self._w.close()
+
+
+class TerminalSink:
+    """A rich progress bar on a TTY, one compact line per step otherwise (CI logs, kubectl logs)."""
+
+    KEYS = ("reward/mean", "eval/reward_mean", "staleness/mean", "perf/tokens_per_s", "timing_s/step")
+
+    def __init__(self, total: int, start: int = 0, stream: Any = None) -> None:
+        self.total = total
+        self.stream = stream or sys.stderr
+        self._progress: Any = None
+        self._task: Any = None
+        if getattr(self.stream, "isatty", lambda: False)():
+            try:
+                from rich.progress import (
+                    BarColumn,
+                    MofNCompleteColumn,
+                    Progress,
+                    TextColumn,
+                    TimeRemainingColumn,
+                )
+
+                self._progress = Progress(
+                    TextColumn("[bold]rlkube[/bold]"),
+                    BarColumn(),
+                    MofNCompleteColumn(),
+                    TimeRemainingColumn(),
+                    TextColumn("{task.description}"),
+                )
+                self._progress.start()
+                self._task = self._progress.add_task("", total=total, completed=start)
+            except Exception:  # a progress bar is never worth failing a run
+                self._progress = None
+
+    def _line(self, metrics: dict[str, float]) -> str:
+        parts = []
+        for k in self.KEYS:
+            if k in metrics:
+                parts.append(f"{k.split('/')[-1] if k != 'eval/reward_mean' else 'eval'}={metrics[k]:.3g}")
+        return " ".join(parts)
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, description=self._line(metrics))
+        else:
+            print(f"step {step}/{self.total} {self._line(metrics)}", file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+
+
+class MetricsLogger:
+    """Fans one metrics dict out to every sink; a failing view sink is logged and dropped."""
+
+    def __init__(self, sinks: Sequence[Any]) -> None:
+        self.sinks = list(sinks)
+
+    def log(self, step: int, metrics: dict[str, Any]) -> dict[str, float]:
+        clean = _clean(metrics)
+        for s in list(self.sinks):
+            try:
+                s.write(step, clean)
+            except Exception as e:
+                if isinstance(s, JsonlSink):
+                    raise
+                log.warning("metrics sink %s failed (%s); disabling it", type(s).__name__, e)
+                self.sinks.remove(s)
+        return clean
+
+    def close(self) -> None:
+        for s in self.sinks:
+            try:
+                s.close()
+            except Exception as e:
+                log.warning("closing %s: %s", type(s).__name__, e)

@@ -1,0 +1,1 @@
+"""The RL trainer: workers (actor, ref, critic), the core, mode drivers, replay buffer, checkpoints."""

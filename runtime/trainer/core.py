@@ -1,0 +1,364 @@
+"""The trainer core every mode driver reuses: prompts -> requests, completions -> scored samples,
+samples -> advantages -> PPO updates, weights -> rollout, and its full state for checkpoints.
+
+It never talks to a concrete engine: drivers hand it completions and get buckets back, so the same
+code runs in one process (sync, hf engine) and inside a Ray trainer actor (all three modes).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from rlkube.api import RLJob
+from rlkube.runtime.algos import compute_advantages, kl_in_reward, kl_penalty, masked_mean, overlong_penalty
+from rlkube.runtime.data import PromptSampler, load_records
+from rlkube.runtime.data.records import Record
+from rlkube.runtime.rewards import get_reward_fn
+from rlkube.runtime.rollout.base import Completion, RolloutRequest, SamplingParams
+from rlkube.runtime.trainer.actor import CriticWorker, LossConfig, OptimConfig, PolicyWorker
+from rlkube.runtime.trainer.batch import Sample, collate
+
+
+@dataclass
+class PromptRef:
+    """A prompt in flight: its record and its index in the training stream."""
+
+    record: Record
+    index: int
+    prompt_ids: list[int]
+
+
+class Trainer:
+    """Algorithm state of one RLJob: actor (+ ref, critic), sampler, reward, weight version."""
+
+    def __init__(self, job: RLJob, *, device: str | None = None) -> None:
+        from transformers import AutoTokenizer
+
+        self.job = job
+        spec = self.spec = job.spec
+        torch.manual_seed(spec.training.seed)
+        random.seed(spec.training.seed)
+        self.tokenizer = AutoTokenizer.from_pretrained(spec.model.tokenizer_path or spec.model.path)
+        self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
+        self.eos_id = int(self.tokenizer.eos_token_id)
+        d = spec.data
+        self.train_records = load_records(d.train, prompt_key=d.prompt_key, answer_key=d.answer_key)
+        self.val_records = (
+            load_records(d.validation, prompt_key=d.prompt_key, answer_key=d.answer_key)
+            if d.validation
+            else []
+        )
+        self.sampler = PromptSampler(self.train_records, 1, seed=d.seed, shuffle=d.shuffle)
+        self.prompts_drawn = 0
+        self.reward_fn = get_reward_fn(d.reward)
+        a, t = spec.algorithm, spec.training
+        self.loss_cfg = LossConfig(
+            clip_low=a.clip_ratio_low,
+            clip_high=a.clip_ratio_high,
+            clip_c=a.clip_ratio_c if a.clip_ratio_c > 1.0 else None,
+            agg_mode=a.loss_aggregation,
+            entropy_coeff=a.entropy_coeff,
+            use_kl_loss=a.kl.use_kl_loss,
+            kl_loss_coef=a.kl.kl_loss_coef,
+            kl_loss_type=a.kl.kl_loss_type,
+            temperature=a.temperature if a.temperature > 0 else 1.0,
+        )
+        optim = OptimConfig(
+            lr=t.learning_rate,
+            weight_decay=t.weight_decay,
+            warmup_steps=t.warmup_steps,
+            total_steps=t.total_steps,
+            schedule=t.lr_schedule,
+            grad_clip=t.grad_clip,
+        )
+        bf16 = None if spec.model.dtype == "bfloat16" else False
+        mbs = t.micro_batch_size
+        self.actor = PolicyWorker(
+            spec.model.path,
+            optim=optim,
+            loss=self.loss_cfg,
+            device=device,
+            bf16=bf16,
+            micro_batch_size=mbs,
+            gradient_checkpointing=spec.model.gradient_checkpointing,
+        )
+        self.use_ref = a.kl.use_kl_loss or a.kl.in_reward
+        self.ref = (
+            PolicyWorker(
+                spec.model.path,
+                trainable=False,
+                loss=self.loss_cfg,
+                device=device,
+                bf16=bf16,
+                micro_batch_size=mbs,
+            )
+            if self.use_ref
+            else None
+        )
+        self.critic = (
+            CriticWorker(
+                spec.model.path,
+                optim=OptimConfig(
+                    lr=t.critic_learning_rate,
+                    weight_decay=t.weight_decay,
+                    warmup_steps=t.warmup_steps,
+                    total_steps=t.total_steps,
+                    schedule=t.lr_schedule,
+                    grad_clip=t.grad_clip,
+                ),
+                loss=self.loss_cfg,
+                device=device,
+                bf16=bf16,
+                micro_batch_size=mbs,
+            )
+            if a.name == "ppo"
+            else None
+        )
+        from rlkube.runtime.weights import WeightSender
+
+        wire = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+        engine_dtype = wire[spec.model.dtype] if self.actor.device.type != "cpu" else torch.float32
+        self.sender = WeightSender(bucket_megabytes=spec.weight_sync.bucket_megabytes, dtype=engine_dtype)
+        self.step = 0  # completed training steps
+        self.version = 0  # weights version the rollout serves after the last sync
+        self.rng = random.Random(spec.training.seed)
+
+    # -- prompts and requests ----------------------------------------------------------------
+    def encode(self, record: Record) -> list[int]:
+        """Prompt ids: BOS (when the tokenizer has one) + the prompt, truncated on the left."""
+        if record.messages is not None and getattr(self.tokenizer, "chat_template", None):
+            ids = list(self.tokenizer.apply_chat_template(record.messages, add_generation_prompt=True))
+        else:
+            ids = list(self.tokenizer(record.prompt, add_special_tokens=False).input_ids)
+            if self.tokenizer.bos_token_id is not None:
+                ids = [int(self.tokenizer.bos_token_id), *ids]
+        return ids[-self.spec.data.max_prompt_length :]
+
+    def next_prompts(self, n: int) -> list[PromptRef]:
+        """The next ``n`` prompts of the resumable stream."""
+        out = []
+        for _ in range(n):
+            (rec,) = self.sampler.next_batch()
+            out.append(PromptRef(rec, self.prompts_drawn, self.encode(rec)))
+            self.prompts_drawn += 1
+        return out
+
+    def sampling_params(
+        self, *, n: int | None = None, greedy: bool = False, seed: int | None = None
+    ) -> SamplingParams:
+        a = self.spec.algorithm
+        return SamplingParams(
+            n=a.group_size if n is None else n,
+            temperature=0.0 if greedy else a.temperature,
+            top_p=a.top_p if a.top_p > 0 else 1.0,
+            max_tokens=self.spec.data.max_response_length,
+            stop_token_ids=(self.eos_id,),
+            seed=seed,
+        )
+
+    def requests(self, prompts: Sequence[PromptRef]) -> list[RolloutRequest]:
+        """One request per prompt (``groupSize`` samples), ids carrying the stream index."""
+        base = self.spec.training.seed * 1_000_003
+        return [
+            RolloutRequest(f"p{p.index}", p.prompt_ids, self.sampling_params(seed=base + p.index))
+            for p in prompts
+        ]
+
+    # -- rewards -----------------------------------------------------------------------------
+    def score(self, completions: Sequence[Completion], prompts: dict[str, PromptRef]) -> list[Sample]:
+        """Decode, reward and shape completions (overlong penalty) into samples."""
+        texts = []
+        for c in completions:
+            ids = [t for t in c.token_ids if t != self.eos_id]
+            texts.append(self.tokenizer.decode(ids, skip_special_tokens=True))
+        refs = [prompts[c.request_id] for c in completions]
+        results = self.reward_fn([r.record.prompt for r in refs], texts, [r.record.answer for r in refs])
+        scores = torch.tensor([float(r.score) for r in results], dtype=torch.float32)
+        ob = self.spec.algorithm.overlong_buffer
+        max_len = self.spec.data.max_response_length
+        if ob is not None and ob.enabled:
+            lengths = torch.tensor([len(c.token_ids) for c in completions])
+            scores = scores + overlong_penalty(lengths, max_len, min(ob.length, max_len), ob.penalty_factor)
+        out = []
+        for c, res, s, ref in zip(completions, results, scores.tolist(), refs, strict=True):
+            out.append(
+                Sample(
+                    prompt_ids=list(c.prompt_ids),
+                    response_ids=list(c.token_ids),
+                    group=c.request_id,
+                    policy_version=int(c.policy_version),
+                    reward=float(res.score),
+                    score=float(s),
+                    accuracy=float(res.accuracy),
+                    truncated=c.finish_reason == "length"
+                    and (not c.token_ids or c.token_ids[-1] != self.eos_id),
+                    rollout_logprobs=list(c.logprobs),
+                    token_versions=list(c.token_versions),
+                    prompt_index=ref.index,
+                )
+            )
+        return out
+
+    # -- the update --------------------------------------------------------------------------
+    def train(
+        self, samples: Sequence[Sample], timing: dict[str, float], *, step_lr: bool = True
+    ) -> dict[str, float]:
+        """old log-prob -> (ref) -> (values) -> advantages -> ppoEpochs x mini-batch updates."""
+        spec = self.spec
+        a = spec.algorithm
+        batch = collate(samples, self.pad_id)
+        mask = batch.response_mask
+        t0 = time.perf_counter()
+        old_logp, _ = self.actor.compute_logprobs(batch)
+        batch.extras["old_logp"] = old_logp
+        timing["old_log_prob"] = timing.get("old_log_prob", 0.0) + time.perf_counter() - t0
+        metrics: dict[str, float] = {}
+        token_rewards = None
+        if self.ref is not None:
+            t0 = time.perf_counter()
+            ref_logp, _ = self.ref.compute_logprobs(batch)
+            batch.extras["ref_logp"] = ref_logp
+            timing["ref"] = timing.get("ref", 0.0) + time.perf_counter() - t0
+            kl = kl_penalty(old_logp, ref_logp, a.kl.kl_penalty if a.kl.in_reward else a.kl.kl_loss_type)
+            metrics["actor/kl_ref"] = float(masked_mean(kl, mask))
+        t0 = time.perf_counter()
+        if a.kl.in_reward and self.ref is not None:
+            from rlkube.runtime.algos import scores_to_token_rewards
+
+            base = scores_to_token_rewards(batch.scores, mask)
+            kl = kl_penalty(old_logp, batch.extras["ref_logp"], a.kl.kl_penalty)
+            token_rewards = kl_in_reward(base, kl, a.kl.kl_coef, mask)
+        if self.critic is not None:
+            values = self.critic.compute_values(batch)
+            batch.extras["values"] = values
+            adv, returns = compute_advantages(
+                "gae",
+                mask=mask,
+                scores=batch.scores,
+                token_rewards=token_rewards,
+                values=values,
+                gamma=a.gamma,
+                lam=a.lam,
+            )
+            batch.extras["returns"] = returns
+        else:
+            adv, _ = compute_advantages(
+                a.name,
+                mask=mask,
+                scores=None if token_rewards is not None else batch.scores,
+                token_rewards=token_rewards,
+                group_index=batch.group_index,
+                norm_by_std=a.norm_adv_by_std,
+            )
+        batch.extras["advantages"] = adv
+        timing["adv"] = timing.get("adv", 0.0) + time.perf_counter() - t0
+        # Mini-batches of whole prompt groups, in a fresh random order of groups.
+        groups: dict[int, list[int]] = {}
+        for i, g in enumerate(batch.group_index.tolist()):
+            groups.setdefault(g, []).append(i)
+        order = list(groups)
+        self.rng.shuffle(order)
+        rows = [i for g in order for i in groups[g]]
+        batch = batch.select(rows)
+        n_groups = len(order)
+        num_mini = max(1, round(n_groups / spec.training.mini_batch_size))
+        t0 = time.perf_counter()
+        if self.critic is not None:
+            metrics.update(self.critic.update(batch, num_mini, a.ppo_epochs))
+            if step_lr:
+                self.critic.lr_step()
+        metrics.update(self.actor.update(batch, num_mini, a.ppo_epochs))
+        if step_lr:
+            self.actor.lr_step()
+        timing["update_actor"] = timing.get("update_actor", 0.0) + time.perf_counter() - t0
+        metrics["actor/updates"] = float(num_mini * a.ppo_epochs)
+        return metrics
+
+    # -- weights -----------------------------------------------------------------------------
+    def weight_buckets(self, version: int) -> list[Any]:
+        """The next sync's buckets (full or delta per spec.weightSync.method)."""
+        params = self.actor.full_named_parameters()
+        if self.spec.weight_sync.method == "delta_sharded":
+            return list(self.sender.delta(params, version))
+        return list(self.sender.full(params, version))
+
+    def sync_stats(self) -> dict[str, float]:
+        st = self.sender.last_stats
+        if st is None:
+            return {}
+        return {
+            "weight_sync/payload_mb": st.payload_mb,
+            "weight_sync/changed_ratio": st.changed_ratio,
+            "weight_sync/buckets": float(st.buckets),
+        }
+
+    # -- state -------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Everything a resume needs except the replay buffer (the driver adds it)."""
+        return {
+            "step": self.step,
+            "version": self.version,
+            "prompts_drawn": self.prompts_drawn,
+            "sampler": self.sampler.state_dict(),
+            "actor": self.actor.state_dict(),
+            "critic": self.critic.state_dict() if self.critic is not None else None,
+            "rng": {
+                "python": self.rng.getstate(),
+                "torch": torch.get_rng_state(),
+                "global_python": random.getstate(),
+            },
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.step = int(state["step"])
+        self.version = int(state["version"])
+        self.prompts_drawn = int(state["prompts_drawn"])
+        self.sampler.load_state_dict(state["sampler"])
+        self.actor.load_state_dict(state["actor"])
+        if self.critic is not None and state.get("critic") is not None:
+            self.critic.load_state_dict(state["critic"])
+        rng = state["rng"]
+        self.rng.setstate(_as_state(rng["python"]))
+        random.setstate(_as_state(rng["global_python"]))
+        torch.set_rng_state(rng["torch"])
+        self.sender.reset()  # the engine starts from the checkpoint's weights: first sync is dense
+
+
+def _as_state(s: Any) -> Any:
+    """random.getstate() round-trips through torch.save as nested tuples/lists: make it tuples."""
+    if isinstance(s, list):
+        return tuple(_as_state(x) for x in s)
+    return s
+
+
+def sample_metrics(samples: Iterable[Sample], version: int) -> dict[str, float]:
+    """Reward, accuracy, length and staleness of the samples a step trained on."""
+    ss = list(samples)
+    if not ss:
+        return {}
+    n = len(ss)
+    rewards = [s.reward for s in ss]
+    lengths = [len(s.response_ids) for s in ss]
+    stale = [version - s.policy_version for s in ss]
+    mean_r = sum(rewards) / n
+    return {
+        "reward/mean": mean_r,
+        "reward/std": (sum((r - mean_r) ** 2 for r in rewards) / n) ** 0.5,
+        "reward/accuracy": sum(s.accuracy for s in ss) / n,
+        "reward/score_mean": sum(s.score for s in ss) / n,
+        "response_length/mean": sum(lengths) / n,
+        "response_length/max": float(max(lengths)),
+        "response_length/clip_ratio": sum(s.truncated for s in ss) / n,
+        "staleness/mean": sum(stale) / n,
+        "staleness/max": float(max(stale)),
+        "rollout/partial_ratio": sum(s.resumed for s in ss) / n,
+        "batch/samples": float(n),
+        "batch/response_tokens": float(sum(lengths)),
+        "batch/prompt_tokens": float(sum(len(s.prompt_ids) for s in ss)),
+    }

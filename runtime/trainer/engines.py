@@ -1,0 +1,83 @@
+"""Rollout engines for a spec, and the Ray-actor proxy that makes a remote engine look local."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rlkube.api import RLJobSpec
+
+
+def engine_options(spec: RLJobSpec, kind: str) -> dict[str, Any]:
+    """Constructor options for ``make_engine`` from the spec (what each engine understands)."""
+    max_len = spec.data.max_prompt_length + spec.data.max_response_length
+    if kind == "hf":
+        slots = min(
+            spec.rollout.max_num_seqs, max(spec.training.train_batch_size * spec.algorithm.group_size, 1)
+        )
+        # async modes over-subscribe: room for the extra groups in flight
+        slots = min(spec.rollout.max_num_seqs, slots * 2) if spec.training.mode != "sync" else slots
+        return {
+            "dtype": spec.model.dtype if _on_gpu() else "float32",
+            "num_slots": slots,
+            "max_seq_len": max_len,
+            "seed": spec.training.seed,
+        }
+    if kind == "vllm":
+        return {
+            "max_model_len": max_len,
+            "seed": spec.training.seed,
+            "dtype": spec.model.dtype if _on_gpu() else "float32",
+            "gpu_memory_utilization": spec.rollout.gpu_memory_utilization,
+            "tensor_parallel_size": spec.rollout.tensor_parallel_size,
+            "max_num_seqs": spec.rollout.max_num_seqs,
+        }
+    return {}
+
+
+def _on_gpu() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def build_engine(spec: RLJobSpec, model_path: str | None = None, **overrides: Any) -> Any:
+    """An in-process engine of ``spec.rollout.engine`` serving ``model_path`` (default spec.model.path)."""
+    from rlkube.runtime.rollout import make_engine
+
+    kind = spec.rollout.engine
+    opts = {**engine_options(spec, kind), **overrides}
+    return make_engine(kind, model_path or spec.model.path, **opts)
+
+
+class RayEngineProxy:
+    """The rollout interface over a Ray actor handle (``RolloutActor``): every call is a remote call."""
+
+    def __init__(self, handle: Any, timeout_s: float = 600.0) -> None:
+        self.handle = handle
+        self.timeout_s = timeout_s
+
+    def _call(self, name: str, *args: Any) -> Any:
+        import ray
+
+        return ray.get(getattr(self.handle, name).remote(*args), timeout=self.timeout_s)
+
+    def generate(self, requests: Any) -> Any:
+        return self._call("generate", list(requests))
+
+    def submit(self, requests: Any) -> None:
+        self._call("submit", list(requests))
+
+    def poll(self) -> Any:
+        return self._call("poll")
+
+    def abort_all(self) -> Any:
+        return self._call("abort_all")
+
+    def resume(self, partials: Any) -> None:
+        self._call("resume", list(partials))
+
+    def update_weights(self, buckets: Any, version: int) -> Any:
+        return self._call("update_weights", list(buckets), version)
+
+    def num_in_flight(self) -> int:
+        return int(self._call("num_in_flight"))
