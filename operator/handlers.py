@@ -163,7 +163,7 @@ async def warning_event(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None
     rec.mark(rec.cache.put_event(event["object"]))
 
 
-def _child_deleted(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
+async def _child_deleted(event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
     if event["type"] == "DELETED":
         _recreate(_rec(memo), event["object"])
 

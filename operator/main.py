@@ -99,11 +99,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     metrics.set_phase_counts({})
 
     config = Config(
-        render_defaults=load_render_defaults(args.render_defaults), status_workers=args.status_workers
+        render_defaults=load_render_defaults(args.render_defaults),
+        status_workers=args.status_workers,
+        scan_cluster=clusterwide or any(c in ns for ns in namespaces for c in "*?[!"),
     )
     memo = kopf.Memo(reconciler=Reconciler(config))
     standalone = args.standalone or not args.peering
     settings = kopf.OperatorSettings()
+    # Namespaced-only RBAC has no cluster-scoped list of namespaces/CRDs: Kopf must not scan for them.
+    settings.scanning.disabled = not config.scan_cluster
     if not standalone:
         settings.peering.mandatory = True  # never run un-peered when replicas rely on peering
     try:

@@ -80,6 +80,8 @@ class Config:
     render_defaults: Any = None
     field_manager: str = FIELD_MANAGER
     status_workers: int = 4
+    # False when watching an explicit namespace list: then Kopf needs no cluster-scoped reads at all.
+    scan_cluster: bool = True
 
 
 @dataclass

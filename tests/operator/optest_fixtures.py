@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from rlkube.devcluster.testing import Kubectl
 
 REPO = Path(__file__).resolve().parents[2]
@@ -61,7 +62,7 @@ class OperatorProcess:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
             return str(r.read().decode())
 
-    def metric(self, name: str, **labels: str) -> float:
+    def metric(self, name: str, /, **labels: str) -> float:
         """Sum of the samples of ``name`` whose labels include ``labels``."""
         total = 0.0
         for line in self.metrics().splitlines():
