@@ -86,12 +86,12 @@ def amdsmi_report() -> SmiReport:
     return SmiReport("amdsmi", True, len(handles), products, path=getattr(amdsmi, "__file__", None))
 
 
-def find_tool(name: str, extra_dirs: tuple[str, ...] = ROCM_SMI_DIRS) -> str | None:
-    """`name` on PATH, else in the usual install dirs."""
+def find_tool(name: str, extra_dirs: tuple[str, ...] | None = None) -> str | None:
+    """`name` on PATH, else in the usual install dirs (ROCM_SMI_DIRS by default)."""
     found = shutil.which(name)
     if found:
         return found
-    for d in extra_dirs:
+    for d in ROCM_SMI_DIRS if extra_dirs is None else extra_dirs:
         cand = os.path.join(d, name)
         if os.path.isfile(cand) and os.access(cand, os.X_OK):
             return cand
