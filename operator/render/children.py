@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
+
 from rlkube.api.load import dump_resolved, resolve
 from rlkube.api.models import (
     API_VERSION,

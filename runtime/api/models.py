@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
+
 from rlkube.runtime.platform.env import gpu_resource_name
 
 GROUP = "rlkube.io"
@@ -580,7 +581,9 @@ class RLJob(_Model):
 
     model_config = ConfigDict(extra="ignore")
 
-    api_version: Literal["rlkube.io/v1alpha1"] = Field(default="rlkube.io/v1alpha1", description="rlkube.io/v1alpha1.")
+    api_version: Literal["rlkube.io/v1alpha1"] = Field(
+        default="rlkube.io/v1alpha1", description="rlkube.io/v1alpha1."
+    )
     kind: Literal["RLJob"] = Field(default="RLJob", description="RLJob.")
     metadata: dict[str, Any] = Field(default_factory=dict, description="Standard object metadata.")
     spec: RLJobSpec = Field(description="The desired job.")

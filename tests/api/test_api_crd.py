@@ -12,10 +12,11 @@ from typing import Any
 
 import pytest
 import yaml
+from specs import BAD, EXAMPLES, cpu, minimal, separate
+
 from rlkube.api import parse_rljob, to_dict
 from rlkube.api.crd import PRINTER_COLUMNS, build_crd, main, openapi_schema, outputs
 from rlkube.api.validation import IMMUTABLE_FIELDS, RULES
-from specs import BAD, EXAMPLES, cpu, minimal, separate
 
 
 def test_committed_crds_and_docs_match_the_models() -> None:

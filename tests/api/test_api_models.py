@@ -7,6 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 from pydantic import ValidationError
+from specs import merge, minimal, separate
+
 from rlkube.api import (
     InvalidRLJob,
     RLJob,
@@ -19,7 +21,6 @@ from rlkube.api import (
     total_gpus,
     worker_groups,
 )
-from specs import merge, minimal, separate
 
 
 def _locs(exc: ValidationError) -> list[str]:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 import yaml
+from specs import BAD, BAD_PYTHON_ONLY, EXAMPLES, cpu, minimal, separate
+
 from rlkube.api import parse_rljob, validate, validate_rljob
 from rlkube.api.validation import RULES, FieldError
-from specs import BAD, BAD_PYTHON_ONLY, EXAMPLES, cpu, minimal, separate
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
