@@ -28,8 +28,6 @@ FINALIZER = "rlkube.io/finalizer"
 KUEUE_LABELS = ("kueue.x-k8s.io/queue-name", "kueue.x-k8s.io/priority-class")
 JOB_LABEL = "rlkube.io/rljob"
 TERMINAL = ("Succeeded", "Failed")
-# Children applied before the RayJob so its pods find their ServiceAccount and spec ConfigMap.
-APPLY_ORDER = {"ServiceAccount": 0, "Role": 1, "RoleBinding": 2, "ConfigMap": 3, "RayJob": 9}
 
 log = logging.getLogger("rlkube.operator")
 
@@ -80,6 +78,7 @@ class Config:
     render_defaults: Any = None
     field_manager: str = FIELD_MANAGER
     status_workers: int = 4
+    status_delay_s: float = 0.3
     # False when watching an explicit namespace list: then Kopf needs no cluster-scoped reads at all.
     scan_cluster: bool = True
 
@@ -107,7 +106,8 @@ class Reconciler:
             self.again.add(key)
         elif key not in self.queued:
             self.queued.add(key)
-            self.queue.put_nowait(key)
+            # A short delay coalesces a burst (RayCluster + pods + events of one job) into one patch.
+            asyncio.get_running_loop().call_later(self.config.status_delay_s, self.queue.put_nowait, key)
 
     def start(self) -> None:
         for _ in range(self.config.status_workers):
@@ -176,12 +176,16 @@ class Reconciler:
             uid=str(meta["uid"]),
             operator_image_defaults=self.config.render_defaults,
         )
-        objs = sorted(children.all(), key=lambda o: APPLY_ORDER.get(str(o.get("kind")), 5))
-        for obj in objs:
-            obj = prepare_child(obj, name=key[1], labels=labels)
-            if obj["kind"] == "RayJob":
-                state.ray_job_name = str(obj["metadata"]["name"])
-            await self.kube.apply(obj, field_manager=self.config.field_manager, force=True)
+        objs = [prepare_child(o, name=key[1], labels=labels) for o in children.all()]
+        rbac_and_config = [o for o in objs if o["kind"] != "RayJob"]
+        ray_job = next(o for o in objs if o["kind"] == "RayJob")
+        state.ray_job_name = str(ray_job["metadata"]["name"])
+        # RBAC and config are independent of each other (RoleBinding names its Role, which SSA accepts
+        # before the Role exists); the RayJob goes last so its pods find them.
+        await asyncio.gather(
+            *(self.kube.apply(o, field_manager=self.config.field_manager) for o in rbac_and_config)
+        )
+        await self.kube.apply(ray_job, field_manager=self.config.field_manager)
         state.applied_generation = gen
         log.info("applied %d children of RLJob %s/%s (generation %d)", len(objs), key[0], key[1], gen)
         self.mark(key)
