@@ -233,3 +233,26 @@ def test_namespaced_only_chart_rbac_drives_a_whole_lifecycle(
     assert f"--namespace={release['jobs']}" in args
     _lifecycle_with_chart_sa(kubectl, release, operator_factory, wait_for, tmp_path)
     assert json.dumps(args)
+
+
+def test_runtime_defaults_values_reach_the_renderer(tmp_path: Path) -> None:
+    """The chart's runtimeDefaults ConfigMap is exactly what `--render-defaults` parses into RenderDefaults."""
+    from rlkube.operator.main import load_render_defaults
+
+    out = helm(
+        "template",
+        "r",
+        str(CHART),
+        "--set",
+        "runtimeDefaults.shmSize=32Gi",
+        "--set",
+        "runtimeDefaults.headCpu=4",
+    )
+    cm = next(d for d in yaml.safe_load_all(out.stdout) if d and d["kind"] == "ConfigMap")
+    path = tmp_path / "render-defaults.yaml"
+    path.write_text(cm["data"]["render-defaults.yaml"])
+    defaults = load_render_defaults(path)
+    assert (defaults.shm_size, defaults.head_cpu) == ("32Gi", 4)
+    assert defaults.vendor_images["amd"] == "rlkube/runtime-rocm:0.1.0"
+    bad = helm("template", "r", str(CHART), "--set", "runtimeDefaults.headCPU=4", check=False)
+    assert bad.returncode != 0  # a typo is refused by values.schema.json, not silently ignored
