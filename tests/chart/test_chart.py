@@ -236,7 +236,7 @@ def test_namespaced_only_chart_rbac_drives_a_whole_lifecycle(
 
 
 def test_runtime_defaults_values_reach_the_renderer(tmp_path: Path) -> None:
-    """The chart's runtimeDefaults ConfigMap is exactly what `--render-defaults` parses into RenderDefaults."""
+    """The chart's runtimeDefaults ConfigMap is what `--render-defaults` parses into RenderDefaults."""
     from rlkube.operator.main import load_render_defaults
 
     out = helm(
