@@ -90,6 +90,31 @@ RAYJOB. A CRD column cannot add or format numbers, so two columns read status fi
   they decide the Ray cluster's layout or what the run is; delete and recreate instead.
   Other fields may change; the operator re-renders the children.
 
+## What an RLJob renders (rlkube.operator.render)
+
+`render_children(job, name=, namespace=, uid=, operator_image_defaults=)` is pure (no API calls)
+and returns, all owner-referenced to the RLJob (`controller: true`, `blockOwnerDeletion: true`) and
+labelled `app.kubernetes.io/managed-by: rlkube`, `rlkube.io/rljob: <name>`:
+
+- ConfigMap `<name>-config` with `rljob.yaml` = `dump_resolved(job)`, mounted read-only at
+  `/etc/rlkube` on every Ray container;
+- ServiceAccount `<name>-runtime`, Role `<name>-runtime` (get on `rljobs`, get/patch on
+  `rljobs/status`, both with `resourceNames: [<name>]`) and its RoleBinding;
+- RayJob (`ray.io/v1`): entrypoint `rlkube-train --rljob /etc/rlkube/rljob.yaml`,
+  `submissionMode: K8sJobMode`, `shutdownAfterJobFinishes: true`, `ttlSecondsAfterFinished`,
+  `backoffLimit`, `activeDeadlineSeconds`, `suspend` (left out under Kueue); a CPU-only head
+  (`num-gpus: "0"`, `num-cpus`, `dashboard-host: "0.0.0.0"`) and the worker groups above, each with
+  `replicas = minReplicas = maxReplicas`, the GPU resource limited on `containers[0]`, `num-cpus`,
+  the group's Ray resource, `/dev/shm` as a memory `emptyDir` with `sizeLimit`, the GPU
+  tolerations and node selector (`gpu.nodeSelector` plus `amd.com/gpu.product-name` from
+  `gpu.productName`), `spec.mounts` on every pod, and the checkpoint PVC on the training group
+  only. Pod labels add `rlkube.io/group: head|actor|trainer|rollout`; every container gets
+  `RLKUBE_RLJOB_NAME`, `RLKUBE_RLJOB_NAMESPACE`, `RLKUBE_RLJOB_FILE` and `RLKUBE_RAY_GROUP`.
+
+`RenderDefaults` (the chart's `runtimeDefaults`, camelCase keys, unknown keys refused):
+
+{render_defaults}
+
 ## Validation
 
 Structural errors (wrong type, unknown enum value, a minimum) are refused by the schema. Cross-field
@@ -143,13 +168,26 @@ def _rows(node: dict[str, Any], prefix: str, required: set[str]) -> list[str]:
     return rows
 
 
+def _render_defaults_table() -> str:
+    """The admin defaults' keys, read from the renderer's model so the table cannot drift."""
+    from rlkube.operator.render import RenderDefaults
+
+    rows = ["| key | default | description |", "|---|---|---|"]
+    for name, f in RenderDefaults.model_fields.items():
+        default = f.default_factory() if f.default_factory is not None else f.default
+        shown = "" if default is None else f"`{json.dumps(default)}`"
+        rows.append(f"| `{f.alias or name}` | {shown} | {f.description or ''} |")
+    return "\n".join(rows)
+
+
 def render_api_md() -> str:
     """The whole docs/api.md."""
     from .crd import openapi_schema
 
     schema = openapi_schema()
     immutable = ", ".join(f"`spec.{f}`" for f in IMMUTABLE_FIELDS)
-    out = [INTRO.replace("{max_name}", str(MAX_RLJOB_NAME)).replace("{immutable}", immutable)]
+    intro = INTRO.replace("{max_name}", str(MAX_RLJOB_NAME)).replace("{immutable}", immutable)
+    out = [intro.replace("{render_defaults}", _render_defaults_table())]
     out.append("| field | enforced by | message |\n|---|---|---|")
     for r in RULES:
         out.append(f"| `spec.{r.field}` | {'CEL + Python' if r.cel else 'Python only'} | {r.message} |")
