@@ -4,7 +4,7 @@ Pure data and functions, importable without torch or any GPU library: the operat
 pod env from here, the runtime applies the same values in-process and the ROCm image's ENV is
 generated from (and tested equal to) them, so there is one source of truth for the ROCm decisions.
 
-`python -m rlkube.runtime.platform.env --dockerfile-env` prints the image's ENV block.
+`python -m rlkube.runtime.platform --dockerfile-env` prints the image's ENV block.
 """
 
 from __future__ import annotations
