@@ -191,6 +191,15 @@ RULES: list[Rule] = [
         "self.gpu.vendor != 'cpu' || !has(self.rollout.gpusPerReplica) || self.rollout.gpusPerReplica == 0",
     ),
     Rule(
+        "rollout.gpusPerReplica",
+        "rollout.gpusPerReplica must be at least 1 on GPUs: raise it or leave it unset (colocated modes then "
+        "use all trainer GPUs)",
+        lambda s: (
+            s.gpu.vendor == "cpu" or s.rollout.gpus_per_replica is None or s.rollout.gpus_per_replica >= 1
+        ),
+        "self.gpu.vendor == 'cpu' || !has(self.rollout.gpusPerReplica) || self.rollout.gpusPerReplica >= 1",
+    ),
+    Rule(
         "rollout.engine",
         "rollout.engine sglang needs GPUs: use engine hf or vllm with gpu.vendor cpu",
         lambda s: s.gpu.vendor != "cpu" or s.rollout.engine != "sglang",

@@ -111,6 +111,7 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ("cpu-with-gpus", merge(minimal(), {"gpu": {"vendor": "cpu"}}), "spec.trainer.gpusPerReplica"),
     ("gpu-without-gpus", merge(minimal(), {"trainer": {"gpusPerReplica": 0}}), "spec.trainer.gpusPerReplica"),
     ("cpu-rollout-gpus", cpu(rollout={"gpusPerReplica": 2}), "spec.rollout.gpusPerReplica"),
+    ("gpu-rollout-zero", merge(minimal(), {"rollout": {"gpusPerReplica": 0}}), "spec.rollout.gpusPerReplica"),
     ("cpu-sglang", cpu(rollout={"engine": "sglang"}), "spec.rollout.engine"),
     (
         "too-long-for-model",
