@@ -14,9 +14,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from optest_fixtures import OperatorProcess
-from optest_helpers import condition, events_for, rljob, small_rljob, token_kubeconfig
+from optest_helpers import REPO, condition, events_for, rljob, small_rljob, token_kubeconfig
 
 from rlkube.devcluster.testing import Kubectl
 
@@ -561,3 +562,45 @@ def test_two_peered_replicas_never_both_act(
     apply(kubectl, ns, small_rljob("peer2", gpus=1))
     wait_for(cond_is(kubectl, ns, "peer2", "ClusterReady", "True"), 150, describe(kubectl, ns, "peer2"))
     assert low.metric("rlkube_reconcile_total", kind="spec") >= 1
+
+
+# --------------------------------------------------------------------------------------------- examples
+
+EXAMPLES = sorted((REPO / "examples").glob("*.yaml"))
+SEED_EXAMPLES = {
+    "dapo-qwen25-math-7b.yaml",
+    "grpo-qwen25-vl-7b-geo3k.yaml",
+    "grpo-qwen3-8b-colocated.yaml",
+    "grpo-qwen35-35b.yaml",
+}
+
+
+def test_the_four_seed_examples_exist() -> None:
+    assert {p.name for p in EXAMPLES} >= SEED_EXAMPLES
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+def test_example_applies_and_reaches_cluster_ready_on_fake_gpu_nodes(
+    path: Path, kubectl: Kubectl, namespace: str, operator: OperatorProcess, wait_for: WaitFor
+) -> None:
+    """kubectl apply -f examples/X.yaml -> RayJob -> real KubeRay RayCluster -> pods Running -> phases."""
+    ns = namespace
+    body = yaml.safe_load(path.read_text())
+    name = body["metadata"]["name"]
+    kubectl("-n", ns, "apply", "-f", str(path))
+    seen = wait_for(phase_is(kubectl, ns, name, "Pending", "Provisioning"), 30, describe(kubectl, ns, name))
+    assert condition(seen, "Valid")["status"] == "True"
+    ready = wait_for(cond_is(kubectl, ns, name, "ClusterReady", "True"), 120, describe(kubectl, ns, name))
+    job = rljob(kubectl, ns, name)
+    assert job["status"]["phase"] == "Provisioning" and job["status"]["reason"] == "JobPending"
+    cluster = job["status"]["rayClusterName"]
+    mode = body["spec"].get("training", {}).get("mode", "sync")
+    groups = sorted({p["metadata"]["labels"]["ray.io/group"] for p in gpu_pods_running(kubectl, ns, cluster)})
+    assert groups == (["rollout", "trainer"] if mode == "separate_async" else ["actor"])
+    gpus = int(job["status"]["gpus"])
+    if gpus:
+        assert f"{gpus} GPUs" in ready["message"]
+        for p in gpu_pods_running(kubectl, ns, cluster):
+            assert p["spec"]["nodeName"].startswith("gpu-")
+    kubectl("-n", ns, "delete", "-f", str(path), "--wait=true", timeout=90)
+    wait_for(lambda: not pods(kubectl, ns, f"ray.io/cluster={cluster}"), 90, what="GPU pods freed")
