@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from rlkube.runtime.models.tiny import make_tiny_qwen2
 
 VOCAB = "0123456789+-*= \n"

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from rlkube.runtime.rollout import RolloutRequest, SamplingParams, UnsupportedCapability, make_engine
 from rlkube.runtime.rollout.base import Completion
 from rlkube.runtime.rollout.hf import HFEngine, teacher_forced_logprobs
