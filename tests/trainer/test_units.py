@@ -1,0 +1,139 @@
+"""Trainer building blocks: batch layout, exact micro-batch accumulation, schedules, replay, checkpoints,
+status pushes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from rlkube.runtime.trainer.actor import LossConfig, OptimConfig, PolicyWorker, lr_lambda
+from rlkube.runtime.trainer.batch import Sample, collate
+from rlkube.runtime.trainer.checkpoint import list_checkpoints, load_latest, save_checkpoint
+from rlkube.runtime.trainer.replay import ReplayBuffer
+
+
+def _sample(p: list[int], r: list[int], group: str = "g", version: int = 0, score: float = 0.0) -> Sample:
+    return Sample(prompt_ids=p, response_ids=r, group=group, policy_version=version, score=score)
+
+
+def test_collate_aligns_every_response_at_the_prompt_width() -> None:
+    b = collate([_sample([1, 5, 6], [7, 2]), _sample([1, 5], [8, 9, 2], "h")], pad_id=0)
+    assert b.prompt_width == 3
+    assert b.input_ids.tolist() == [[1, 5, 6, 7, 2, 0], [0, 1, 5, 8, 9, 2]]
+    assert b.responses.tolist() == [[7, 2, 0], [8, 9, 2]]
+    assert b.response_mask.tolist() == [[1, 1, 0], [1, 1, 1]]
+    assert b.position_ids[1].tolist()[1:] == [0, 1, 2, 3, 4]  # left pad does not shift positions
+    assert b.group_index.tolist() == [0, 1]
+
+
+def _batch_with_extras(worker: PolicyWorker) -> Any:
+    g = torch.Generator().manual_seed(0)
+    samples = []
+    for i in range(8):
+        p = [1, *torch.randint(4, 16, (3 + i % 2,), generator=g).tolist()]
+        r = torch.randint(4, 16, (1 + i % 4,), generator=g).tolist() + [2]
+        samples.append(_sample(p, r, f"g{i // 4}", score=float(i % 2)))
+    b = collate(samples, 0)
+    old, _ = worker.compute_logprobs(b)
+    b.extras["old_logp"] = old
+    b.extras["advantages"] = (torch.arange(8, dtype=torch.float32) - 3.5)[:, None] * b.response_mask
+    return b
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+def test_micro_batching_gives_the_same_update_as_one_big_batch(tiny_task: Any, agg: str) -> None:
+    """Token-mean over a mini-batch must not depend on how it is cut into micro-batches."""
+    params = []
+    for mbs in (8, 3, 1):
+        torch.manual_seed(0)
+        w = PolicyWorker(
+            str(tiny_task.model_dir),
+            optim=OptimConfig(lr=1e-3, grad_clip=0.0),
+            loss=LossConfig(agg_mode=agg),
+            micro_batch_size=mbs,
+        )
+        w.optimizer = torch.optim.SGD(w.model.parameters(), lr=1.0)  # param change == -gradient
+        b = _batch_with_extras(w)
+        w.update(b, num_mini_batches=1)
+        params.append(torch.cat([p.detach().flatten() for p in w.model.parameters()]))
+    assert torch.allclose(params[0], params[1], atol=1e-5)
+    assert torch.allclose(params[0], params[2], atol=1e-5)
+
+
+def test_update_raises_the_logprob_of_positive_advantage_responses(tiny_task: Any) -> None:
+    w = PolicyWorker(str(tiny_task.model_dir), optim=OptimConfig(lr=1e-3), micro_batch_size=4)
+    b = _batch_with_extras(w)
+    before = b.extras["old_logp"]
+    for _ in range(3):
+        w.update(b, num_mini_batches=2)
+    after, _ = w.compute_logprobs(b)
+    delta = ((after - before) * b.response_mask).sum(1)
+    assert delta[-1] > 0 and delta[0] < 0  # adv +3.5 went up, adv -3.5 went down
+
+
+def test_lr_schedule_warms_up_then_decays() -> None:
+    f = lr_lambda(OptimConfig(warmup_steps=4, total_steps=14, schedule="cosine"))
+    assert [round(f(s), 3) for s in (0, 3)] == [0.25, 1.0]
+    assert f(9) == pytest.approx(0.5)
+    assert f(14) == pytest.approx(0.0)
+    lin = lr_lambda(OptimConfig(total_steps=10, schedule="linear"))
+    assert lin(5) == pytest.approx(0.5)
+
+
+def test_replay_buffer_drops_groups_past_the_threshold() -> None:
+    buf = ReplayBuffer(4)
+    buf.put([_sample([1], [2], "a", version=0)] * 2)
+    buf.put([_sample([1], [2], "b", version=1), _sample([1], [2], "b", version=2)])
+    buf.put([_sample([1], [2], "c", version=2)])
+    assert buf.drop_stale(version=2, max_staleness=1) == 2  # group a is 2 versions behind
+    assert [g[0].group for g in buf.groups()] == ["b", "c"]
+    assert buf.drop_stale(version=3, max_staleness=1) == 2  # b's oldest sample is now 2 behind
+    assert [g[0].group for g in buf.take(1)] == ["c"] and len(buf) == 0
+
+
+def test_checkpoints_are_atomic_and_pruned(tmp_path: Path) -> None:
+    for step in (2, 4, 6, 8):
+        save_checkpoint(tmp_path, step, {"step": step, "t": torch.ones(2) * step}, [{"x": step}], keep=2)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step-000006", "step-000008"]
+    (tmp_path / ".tmp-step-000010-1").mkdir()  # a save killed half-way is never "latest"
+    (tmp_path / "step-000012").mkdir()  # nor a directory without its state file
+    loaded = load_latest(tmp_path)
+    assert loaded is not None
+    state, replay = loaded
+    assert state["step"] == 8 and replay == [{"x": 8}]
+
+
+class _FakeApi:
+    def __init__(self, fail: bool = False) -> None:
+        self.calls: list[tuple[Any, ...]] = []
+        self.fail = fail
+
+    def patch_namespaced_custom_object_status(self, *args: Any, **kw: Any) -> None:
+        self.calls.append((*args, kw))
+        if self.fail:
+            raise RuntimeError("403 forbidden")
+
+
+def test_status_pusher_merge_patches_progress_rate_limited_and_never_raises() -> None:
+    from rlkube.runtime.metrics import StatusPusher, progress_from_metrics
+
+    api = _FakeApi()
+    p = StatusPusher("job", "ns", min_interval_s=3600, api=api)
+    prog = progress_from_metrics(
+        3, 10, {"reward/mean": 0.5, "staleness/mean": 0.25, "perf/tokens_per_s": 9.0}
+    )
+    assert p.push(prog) and not p.push(prog)  # rate-limited
+    assert p.push(prog, force=True)
+    group, version, ns, plural, name, body, kw = api.calls[0]
+    assert (group, version, ns, plural, name) == ("rlkube.io", "v1alpha1", "ns", "rljobs", "job")
+    assert kw["_content_type"] == "application/merge-patch+json"
+    assert set(body) == {"status"} and set(body["status"]) == {"progress"}
+    got = body["status"]["progress"]
+    assert got["stepDisplay"] == "3/10" and got["rewardMean"] == 0.5 and got["stalenessMean"] == 0.25
+    assert got["tokensPerSecond"] == 9.0 and "lastUpdateTime" in got
+    bad = StatusPusher("job", "ns", min_interval_s=0, api=_FakeApi(fail=True))
+    assert bad.push(prog) is False and bad.failures == 1
+    assert StatusPusher(None, None).push(prog) is False  # outside a cluster: disabled
