@@ -24,7 +24,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
 _M32 = 0xFFFFFFFF
 
@@ -308,7 +307,7 @@ class StaticDecoder:
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool):
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
             self._step_fn(kv_len)
         for k, v in snap.items():
             getattr(self.state, k).copy_(v)
