@@ -228,7 +228,7 @@ def main() -> int:
     ap.add_argument("--jobs", type=int, default=500)
     ap.add_argument("--nodes", type=int, default=200)
     ap.add_argument("--gpus-per-node", type=int, default=8)
-    ap.add_argument("--timeout", type=float, default=480, help="seconds to wait for every ClusterReady")
+    ap.add_argument("--timeout", type=float, default=600, help="seconds to wait for every ClusterReady")
     ap.add_argument("--state-dir", type=Path, default=REPO / "bench" / "results" / "tmp" / "devcluster")
     ap.add_argument("--keep", action="store_true", help="leave the cluster running")
     args = ap.parse_args()

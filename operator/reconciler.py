@@ -78,7 +78,7 @@ class Config:
     render_defaults: Any = None
     field_manager: str = FIELD_MANAGER
     status_workers: int = 4
-    status_delay_s: float = 0.3
+    status_delay_s: float = 0.5
     # False when watching an explicit namespace list: then Kopf needs no cluster-scoped reads at all.
     scan_cluster: bool = True
 
