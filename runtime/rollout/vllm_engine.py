@@ -288,8 +288,10 @@ class VLLMEngine:
                 self._counter += 1
                 rid = f"{c.request_id}#{c.sample_index}#{self._counter}"
                 params = self._vllm_params(seg, c.sample_index, offset)
-                got = self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prefix), params)
-                self._live[got if isinstance(got, str) else rid] = _Live(c, self._version)
+                # vLLM returns an internal id (ours + a random suffix); outputs and abort_request
+                # use the id we passed, so that is the key.
+                self.engine.add_request(rid, TokensPrompt(prompt_token_ids=prefix), params)
+                self._live[rid] = _Live(c, self._version)
             self._cv.notify_all()
 
     def _loop(self) -> None:
