@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import MutableMapping, Sequence
 
 import torch
+
 from rlkube.runtime.weights.bucket import WeightBucket, WeightSyncError, verify_checksum
 
 

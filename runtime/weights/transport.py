@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
 from rlkube.runtime.weights.bucket import BucketHeader, WeightBucket
 
 

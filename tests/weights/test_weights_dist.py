@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from rlkube.runtime.weights import (
     WeightReceiver,
     WeightSender,

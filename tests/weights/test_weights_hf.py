@@ -5,8 +5,9 @@ from __future__ import annotations
 import copy
 
 import torch
-from rlkube.runtime.weights import WeightReceiver, WeightSender
 from transformers import Qwen2Config, Qwen2ForCausalLM
+
+from rlkube.runtime.weights import WeightReceiver, WeightSender
 
 torch.set_num_threads(1)
 
