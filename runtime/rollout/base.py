@@ -199,3 +199,17 @@ def continuation_params(partial: Completion) -> SamplingParams:
 def sort_completions(completions: Iterable[Completion]) -> list[Completion]:
     """Stable order for tests and logs: by request id then sample index."""
     return sorted(completions, key=lambda c: (c.request_id, c.sample_index))
+
+
+def check_base_version(buckets: Sequence[Any], held_version: int) -> None:
+    """Refuse a delta sync built against weights this engine does not hold (a missed sync)."""
+    if not buckets:
+        return
+    base = getattr(buckets[0], "base_version", None)
+    if base is not None and base != held_version:
+        from rlkube.runtime.weights import WeightSyncError
+
+        raise WeightSyncError(
+            f"delta to version {buckets[0].version} is against version {base}, but the engine holds "
+            f"{held_version}: the sender must reset() and sync dense"
+        )

@@ -18,18 +18,20 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
+
 from rlkube.runtime.rollout.base import (
     Completion,
     EngineCapabilities,
     RolloutRequest,
     SamplingParams,
     UnsupportedCapability,
+    check_base_version,
     continuation_params,
     expand_samples,
     sample_seed,
 )
 from rlkube.runtime.rollout.hf_decode import StaticDecoder, counter_uniform
-from torch import nn
 
 
 @dataclass
@@ -259,9 +261,11 @@ class HFEngine:
         """Apply checksum-verified weight buckets in place (``rlkube.runtime.weights``)."""
         from rlkube.runtime.weights import apply_buckets  # the weight-sync package owns the format
 
+        items = list(buckets)
+        check_base_version(items, self._version)
         with self._paused():
             self._require_idle()
-            changed: set[str] = apply_buckets(_ParamView(self.model), list(buckets))
+            changed: set[str] = apply_buckets(_ParamView(self.model), items)
             self._after_update(version)
             return changed
 

@@ -27,6 +27,7 @@ from rlkube.runtime.rollout.base import (
     RolloutRequest,
     SamplingParams,
     UnsupportedCapability,
+    check_base_version,
     continuation_params,
     expand_samples,
     sample_seed,
@@ -214,7 +215,9 @@ class VLLMEngine:
 
     def update_weights(self, buckets: Iterable[Any], version: int) -> set[str]:
         """Apply ``rlkube.runtime.weights`` buckets (checksums verified in the worker first)."""
-        wire = [bucket_to_wire(b) for b in buckets]
+        items = list(buckets)
+        check_base_version(items, self._version)
+        wire = [bucket_to_wire(b) for b in items]
         self._require_idle()
         with self._lock:
             results = self.llm.collective_rpc("rlkube_apply_buckets", args=(wire,))

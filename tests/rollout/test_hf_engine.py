@@ -197,3 +197,40 @@ def test_bad_requests_are_refused(engine: HFEngine) -> None:
     with pytest.raises(ValueError, match="duplicate"):
         engine.generate([RolloutRequest("x", [1]), RolloutRequest("x", [1])])
     assert engine.generate([RolloutRequest("z", [1, 2], SamplingParams(max_tokens=0))])[0].token_ids == []
+
+
+def test_delta_buckets_make_engine_weights_bit_identical(engine: HFEngine, tiny_model_dir: Path) -> None:
+    from rlkube.runtime.weights import WeightSender, WeightSyncError
+
+    trainer = hf_model(tiny_model_dir)
+    original = {k: v.clone() for k, v in engine.model.state_dict().items()}
+    sender = WeightSender(bucket_megabytes=0.25)
+    try:
+        engine.update_weights(list(sender.full(trainer.named_parameters(), version=10)), version=10)
+        g = torch.Generator().manual_seed(0)
+        for step in (11, 12):
+            with torch.no_grad():  # a sparse "optimizer step": ~2% of elements move
+                for p in trainer.parameters():
+                    mask = torch.rand(p.shape, generator=g) < 0.02
+                    p.add_(mask * torch.randn(p.shape, generator=g) * 0.1)
+            buckets = list(sender.delta(trainer.named_parameters(), version=step))
+            assert all(b.kind == "delta" for b in buckets)
+            changed = engine.update_weights(buckets, version=step)
+            assert changed and engine.policy_version == step
+            held = engine.model.state_dict()
+            assert all(torch.equal(held[n], p) for n, p in trainer.named_parameters())
+        greedy = engine.generate(_requests(temperature=0.0, max_tokens=16))
+        assert [c.token_ids for c in greedy] == [hf_greedy(trainer, p, 16) for p in PROMPTS]
+
+        # A corrupted payload is refused and leaves the engine on its previous weights.
+        with torch.no_grad():
+            next(trainer.parameters()).add_(1.0)
+        bad = list(sender.delta(trainer.named_parameters(), version=13))
+        bad[0].payload[100] ^= 0xFF
+        before = {k: v.clone() for k, v in engine.model.state_dict().items()}
+        with pytest.raises(WeightSyncError):
+            engine.update_weights(bad, version=13)
+        assert engine.policy_version == 12
+        assert all(torch.equal(before[k], v) for k, v in engine.model.state_dict().items())
+    finally:
+        engine.load_weights(original.items(), version=14)
