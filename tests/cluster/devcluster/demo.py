@@ -471,7 +471,16 @@ def run_demo(args: argparse.Namespace) -> int:
 
         # 7. results
         out_dir = _output_dir(train_log, workdir, name)
-        _report(out_dir, cluster, started_here and args.down)
+        results = _report(out_dir, cluster, started_here and args.down)
+        if args.summary:
+            rljob = kubectl.json("-n", ns, "get", "rljob", name)
+            summary = {
+                "rljob": rljob,
+                "took_s": round(time.monotonic() - _T0, 1),
+                "cluster_ports": sorted(state["ports"].values()),
+                **results,
+            }
+            Path(args.summary).write_text(json.dumps(summary, indent=2))
         return 0
     finally:
         if trainer is not None and trainer.poll() is None:
@@ -503,8 +512,8 @@ def _output_dir(train_log: Path, workdir: Path, name: str) -> Path:
     return workdir / "outputs" / name
 
 
-def _report(out_dir: Path, cluster: DevCluster, will_down: bool) -> None:
-    """Step 7: where the results are, and the held-out reward before and after."""
+def _report(out_dir: Path, cluster: DevCluster, will_down: bool) -> dict[str, Any]:
+    """Step 7: where the results are, and the held-out reward before and after (also returned)."""
     metrics = out_dir / "metrics.jsonl"
     rows: list[dict[str, Any]] = []
     if metrics.is_file():
@@ -527,6 +536,12 @@ def _report(out_dir: Path, cluster: DevCluster, will_down: bool) -> None:
             f"    kubectl: export KUBECONFIG={cluster.kubeconfig}; stop the cluster: make cluster-down",
             flush=True,
         )
+    return {
+        "reward_curve": str(curve),
+        "metrics": str(metrics),
+        "tensorboard": str(out_dir / "tensorboard"),
+        "heldout_reward": [{"step": s, "reward": r} for s, r in evals],
+    }
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -544,6 +559,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--interval", type=float, default=5.0, help="seconds between `kubectl get rljobs`")
     p.add_argument("--timeout", type=float, default=300.0, help="control plane start timeout (s)")
     p.add_argument("--down", action="store_true", help="stop the control plane at the end (if started here)")
+    p.add_argument(
+        "--summary", type=Path, default=None, help="write the final RLJob and result paths as JSON"
+    )
     return p
 
 
