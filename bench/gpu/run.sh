@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# `make bench-gpu`: the GPU benchmarks, run on a GPU machine (here: through the device tool, one
+# H200 with torch but no rlkube install, no Ray, no vLLM, no network).
+#   bash bench/gpu/run.sh [weights] [rollout] [trainer]      (default: all three)
+# Results: $OUT/<name>.json when OUT is set (the device tool), else bench/results/.
+set -uo pipefail
+top=$(cd "$(dirname "$0")/../.." && pwd)
+export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
+# Keep NVLink multicast off (shared GPUs; see the device notes).
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+out=${OUT:-$top/bench/results}
+mkdir -p "$out"
+
+# rlkube is one import root mapped from several folders: without an install, link them.
+if ! python3 -c 'import rlkube.runtime' 2>/dev/null; then
+  site=$(mktemp -d)/site
+  mkdir -p "$site/rlkube"
+  ln -s "$top/runtime" "$site/rlkube/runtime"
+  ln -s "$top/runtime/api" "$site/rlkube/api"
+  ln -s "$top/operator" "$site/rlkube/operator"
+  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+fi
+# Wheels carried to the machine (e.g. trl for the trainer comparison) go into a private target.
+if ls "$top"/.whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/whl-site "$top"/.whl/*.whl \
+    && export PYTHONPATH="$PYTHONPATH:/tmp/whl-site"
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
+
+status=0
+for bench in ${*:-weights rollout trainer}; do
+  echo "=== bench-gpu: $bench ($(date -u +%H:%M:%S))"
+  case $bench in
+    weights) python3 "$top/bench/gpu/weights_gpu.py" --out "$out/weights-gpu.json" || status=1 ;;
+    rollout) OUT=$out python3 "$top/bench/gpu/rollout_gpu.py" > "$out/rollout-gpu.stdout.json" || status=1 ;;
+    trainer) OUT=$out python3 "$top/bench/gpu/trainer_gpu.py" > "$out/trainer-gpu.stdout.json" || status=1 ;;
+    *) echo "unknown bench $bench"; status=2 ;;
+  esac
+done
+exit $status
