@@ -168,12 +168,18 @@ class PolicyWorker(_Worker):
         bf16: bool | None = None,
         micro_batch_size: int = 8,
         gradient_checkpointing: bool = False,
+        model: nn.Module | None = None,
     ) -> None:
         super().__init__(device=device, bf16=bf16, micro_batch_size=micro_batch_size)
         self.loss_cfg = loss or LossConfig()
         self.optim_cfg = optim or OptimConfig()
         self.trainable = trainable
-        model = load_causal_lm(model_path, device=self.device, gradient_checkpointing=gradient_checkpointing)
+        if model is None:
+            model = load_causal_lm(
+                model_path, device=self.device, gradient_checkpointing=gradient_checkpointing
+            )
+        else:  # an in-memory model (benchmarks): fp32 master weights on this worker's device
+            model = model.to(device=self.device, dtype=torch.float32)
         self.model = self._wrap(model)
         self.num_params = sum(p.numel() for p in model.parameters())
         self.optimizer: torch.optim.Optimizer | None = None

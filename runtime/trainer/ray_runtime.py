@@ -203,12 +203,12 @@ def run_on_ray(
     out = Path(output_dir).resolve()
     actors: list[Any] = []
     try:
-        rollouts = [
+        rollouts: list[Any] = [
             ray.remote(RolloutWorker).options(name=None, max_concurrency=1, **r_opts).remote(job)
             for _ in range(n_rollout)
         ]
         actors.extend(rollouts)
-        trainer = ray.remote(TrainerWorker).options(max_concurrency=1, **t_opts).remote(job, device)
+        trainer: Any = ray.remote(TrainerWorker).options(max_concurrency=1, **t_opts).remote(job, device)
         actors.append(trainer)
         res = ray.get(trainer.run.remote(rollouts, str(out), max_steps), timeout=timeout_s)
         for r in rollouts:

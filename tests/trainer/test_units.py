@@ -34,7 +34,7 @@ def _batch_with_extras(worker: PolicyWorker) -> Any:
     samples = []
     for i in range(8):
         p = [1, *torch.randint(4, 16, (3 + i % 2,), generator=g).tolist()]
-        r = torch.randint(4, 16, (1 + i % 4,), generator=g).tolist() + [2]
+        r = [*torch.randint(4, 16, (1 + i % 4,), generator=g).tolist(), 2]
         samples.append(_sample(p, r, f"g{i // 4}", score=float(i % 2)))
     b = collate(samples, 0)
     old, _ = worker.compute_logprobs(b)
