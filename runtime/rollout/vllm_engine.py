@@ -32,7 +32,7 @@ from rlkube.runtime.rollout.base import (
     expand_samples,
     sample_seed,
 )
-from rlkube.runtime.rollout.vllm_worker import bucket_to_wire
+from rlkube.runtime.rollout.vllm_worker import bucket_to_wire, tensor_from_wire, tensor_to_wire
 
 WORKER_EXTENSION = "rlkube.runtime.rollout.vllm_worker.WeightLoaderExtension"
 
@@ -204,12 +204,11 @@ class VLLMEngine:
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
         """HF-named full (or partial) weights; each touched vLLM layer is reloaded whole."""
-        items = [(n, t.detach().cpu().contiguous()) for n, t in named_tensors]
+        items = [(n, tensor_to_wire(t)) for n, t in named_tensors]
         self._require_idle()
         with self._lock:
-            self.llm.collective_rpc(
-                "rlkube_load_hf_weights", args=([n for n, _ in items], [t for _, t in items])
-            )
+            names, wire = [n for n, _ in items], [w for _, w in items]
+            self.llm.collective_rpc("rlkube_load_hf_weights", args=(names, wire))
             self.llm.reset_prefix_cache()
             self._version = version
 
@@ -228,8 +227,8 @@ class VLLMEngine:
     def read_weights(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
         """HF-named weights the worker last loaded (its snapshot), for bit-exactness checks."""
         with self._lock:
-            res: dict[str, torch.Tensor] = self.llm.collective_rpc("rlkube_read_weights", args=(names,))[0]
-            return res
+            res = self.llm.collective_rpc("rlkube_read_weights", args=(names,))[0]
+        return {k: tensor_from_wire(v) for k, v in res.items()}
 
     def shutdown(self) -> None:
         with self._cv:

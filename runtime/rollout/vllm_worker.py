@@ -42,6 +42,23 @@ def layer_group(name: str) -> str:
     return name.rsplit(".", 1)[0]
 
 
+def tensor_to_wire(t: torch.Tensor) -> dict[str, Any]:
+    """A tensor as dtype + shape + raw bytes: vLLM's RPC path turns nested tensors into lists."""
+    c = t.detach().cpu().contiguous()
+    return {
+        "dtype": str(c.dtype),
+        "shape": list(c.shape),
+        "data": c.view(-1).view(torch.uint8).numpy().tobytes(),
+    }
+
+
+def tensor_from_wire(d: dict[str, Any]) -> torch.Tensor:
+    dtype = _DTYPES[d["dtype"]]
+    if not d["data"]:
+        return torch.empty(d["shape"], dtype=dtype)
+    return torch.frombuffer(bytearray(d["data"]), dtype=torch.uint8).view(dtype).view(d["shape"])
+
+
 def bucket_to_wire(bucket: Any) -> dict[str, Any]:
     """A ``WeightBucket`` as plain data vLLM's serialiser carries (dtypes as strings)."""
     return {
@@ -51,7 +68,7 @@ def bucket_to_wire(bucket: Any) -> dict[str, Any]:
         "index": bucket.index,
         "final": bucket.final,
         "base_version": bucket.base_version,
-        "payload": bucket.payload.detach().cpu().contiguous(),
+        "payload": tensor_to_wire(bucket.payload),
         "entries": [
             {
                 "name": e.name,
@@ -90,7 +107,7 @@ def bucket_from_wire(d: dict[str, Any]) -> Any:
         version=d["version"],
         kind=d["kind"],
         entries=entries,
-        payload=d["payload"],
+        payload=tensor_from_wire(d["payload"]),
         checksum=d["checksum"],
         index=d["index"],
         final=d["final"],
@@ -144,9 +161,10 @@ class WeightLoaderExtension:
         """HF names the worker accepts."""
         return sorted(self._rlkube_state())
 
-    def rlkube_load_hf_weights(self, names: list[str], tensors: list[torch.Tensor]) -> list[str]:
+    def rlkube_load_hf_weights(self, names: list[str], wire: list[dict[str, Any]]) -> list[str]:
         """Full (or partial) HF-named tensors: update the snapshot, reload the layers they touch."""
         state = self._rlkube_state()
+        tensors = [tensor_from_wire(d) for d in wire]
         for n, t in zip(names, tensors, strict=True):
             if n not in state:
                 raise KeyError(f"unknown parameter {n!r}")
@@ -167,8 +185,8 @@ class WeightLoaderExtension:
             self._rlkube_reload(changed)
         return sorted(changed)
 
-    def rlkube_read_weights(self, names: list[str] | None = None) -> dict[str, torch.Tensor]:
-        """The HF-named weights the worker last loaded into the model (the snapshot)."""
+    def rlkube_read_weights(self, names: list[str] | None = None) -> dict[str, dict[str, Any]]:
+        """The HF-named weights the worker last loaded into the model (the snapshot), on the wire."""
         state = self._rlkube_state()
         keys = sorted(state) if names is None else names
-        return {k: state[k].clone() for k in keys}
+        return {k: tensor_to_wire(state[k]) for k in keys}
