@@ -59,6 +59,9 @@ def test_make_demo_end_to_end(tmp_path: Path) -> None:
     steps = [tok for line in out.splitlines() if "tiny-arith" in line for tok in line.split() if "/" in tok]
     assert any(s.split("/")[0].isdigit() and 0 < int(s.split("/")[0]) < total for s in steps), out[-4000:]
 
+    # It never looked Failed on the way (KubeRay fails a RayJob whose submitter finished too early).
+    assert not [line for line in out.splitlines() if "tiny-arith" in line and " Failed " in line], out[-4000:]
+
     curve = Path(result["reward_curve"])
     assert curve.is_file() and curve.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     rows = [json.loads(x) for x in Path(result["metrics"]).read_text().splitlines() if x.strip()]

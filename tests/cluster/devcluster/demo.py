@@ -208,6 +208,42 @@ def _rayjob_status(kubectl: Kubectl, ns: str, rayjob: str, status: dict[str, Any
     )  # fmt: skip
 
 
+def _retire_fake_submitter(kubectl: Kubectl, ns: str, rayjob: str) -> None:
+    """Keep KubeRay from failing the RayJob because kwok finished its submitter at once.
+
+    In K8sJobMode KubeRay's submitter Job runs `ray job submit`, which follows the Ray job until it
+    ends. kwok completes every Job pod as soon as it runs, and KubeRay v1.5 marks a RayJob Failed 30 s
+    after its submitter finished without a terminal Ray job status
+    (JobDeploymentStatusTransitionGracePeriodExceeded). So once that fake completion shows, the demo
+    deletes the submitter Job; KubeRay then keeps the RayJob Running (it retries the lookup) and the
+    demo reports the job's outcome on the RayJob itself, as the submitter would have.
+    """
+    selector = f"ray.io/originated-from-crd=RayJob,ray.io/originated-from-cr-name={rayjob}"
+
+    def submitter() -> dict[str, Any] | None:
+        items = kubectl.json("-n", ns, "get", "jobs", "-l", selector)["items"]
+        return dict(items[0]) if items else None
+
+    job = _poll(submitter, 60, "KubeRay's submitter Job", interval=0.5)
+    name = job["metadata"]["name"]
+
+    def finished() -> bool:
+        conds = (submitter() or {}).get("status", {}).get("conditions") or []
+        return any(c["type"] in ("Complete", "Failed") and c["status"] == "True" for c in conds)
+
+    with contextlib.suppress(DemoError):  # a submitter kept running (no fake completion) is left alone
+        _poll(finished, 10, "the submitter Job to finish", interval=0.5)
+    if not finished():
+        say(f"    KubeRay's submitter Job {name} is running; it stays")
+        return
+    kubectl("-n", ns, "delete", "job", name, "--cascade=background", "--wait=false")
+    say(
+        f"    kwok completed KubeRay's submitter Job {name} at once (a real one runs `ray job submit` until "
+        "the Ray job ends, and KubeRay would fail the RayJob 30 s after it finished): the demo deleted it "
+        "and reports the job's state on the RayJob itself"
+    )
+
+
 def _pods_running(kubectl: Kubectl, ns: str, cluster: str) -> list[str] | None:
     pods = kubectl.json("-n", ns, "get", "pods", "-l", f"ray.io/cluster={cluster}")["items"]
     live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
@@ -365,6 +401,7 @@ def run_demo(args: argparse.Namespace) -> int:
             60,
             "the RLJob's ClusterReady condition",
         )
+        _retire_fake_submitter(kubectl, ns, rj_name)
         rows = RowPrinter(kubectl, ns)
         rows.show()
         say(
