@@ -575,6 +575,37 @@ SEED_EXAMPLES = {
 }
 
 
+def provide_claim(kubectl: Kubectl, ns: str, claim: str) -> None:
+    pv = f"{ns}-{claim}"[:63].rstrip("-")
+    docs = [
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolume",
+            "metadata": {"name": pv, "labels": {"rlkube.io/test": "true"}},
+            "spec": {
+                "capacity": {"storage": "1Ti"},
+                "accessModes": ["ReadWriteMany"],
+                "storageClassName": "",
+                "hostPath": {"path": f"/tmp/{pv}"},
+                "claimRef": {"namespace": ns, "name": claim},
+                "persistentVolumeReclaimPolicy": "Delete",
+            },
+        },
+        {
+            "apiVersion": "v1",
+            "kind": "PersistentVolumeClaim",
+            "metadata": {"name": claim, "namespace": ns},
+            "spec": {
+                "accessModes": ["ReadWriteMany"],
+                "storageClassName": "",
+                "volumeName": pv,
+                "resources": {"requests": {"storage": "1Ti"}},
+            },
+        },
+    ]
+    kubectl("apply", "-f", "-", input=yaml.safe_dump_all(docs))
+
+
 def test_the_four_seed_examples_exist() -> None:
     assert {p.name for p in EXAMPLES} >= SEED_EXAMPLES
 
@@ -587,6 +618,15 @@ def test_example_applies_and_reaches_cluster_ready_on_fake_gpu_nodes(
     ns = namespace
     body = yaml.safe_load(path.read_text())
     name = body["metadata"]["name"]
+    spec = body["spec"]
+    claims = [m["persistentVolumeClaim"] for m in spec.get("mounts") or () if m.get("persistentVolumeClaim")]
+    claims += (
+        [spec["checkpoint"]["persistentVolumeClaim"]]
+        if spec.get("checkpoint", {}).get("persistentVolumeClaim")
+        else []
+    )
+    for claim in claims:  # the volumes a user would have provisioned, pre-bound (no storage provisioner here)
+        provide_claim(kubectl, ns, claim)
     kubectl("-n", ns, "apply", "-f", str(path))
     seen = wait_for(phase_is(kubectl, ns, name, "Pending", "Provisioning"), 30, describe(kubectl, ns, name))
     assert condition(seen, "Valid")["status"] == "True"
@@ -604,3 +644,5 @@ def test_example_applies_and_reaches_cluster_ready_on_fake_gpu_nodes(
             assert p["spec"]["nodeName"].startswith("gpu-")
     kubectl("-n", ns, "delete", "-f", str(path), "--wait=true", timeout=90)
     wait_for(lambda: not pods(kubectl, ns, f"ray.io/cluster={cluster}"), 90, what="GPU pods freed")
+    for claim in claims:
+        kubectl("delete", "pv", f"{ns}-{claim}"[:63].rstrip("-"), "--wait=false", check=False)
