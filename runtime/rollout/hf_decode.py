@@ -244,14 +244,18 @@ class StaticDecoder:
         s, D, B = self.state, self.head_dim, self.B
         pos = s.pos.clamp(max=kv_len - 1)
         x = self.inner.embed_tokens(s.cur_tok)[:, None]  # [B, 1, H]
-        cos, sin = self.cos[pos][:, None, None], self.sin[pos][:, None, None]  # [B,1,1,D]
+        cos2, sin2 = self.cos[pos][:, None], self.sin[pos][:, None]  # [B,1,D]
+        nqk = self.n_heads + self.n_kv
         mask = (torch.arange(kv_len, device=self.device)[None] <= pos[:, None])[:, None, None]
         for i, layer in enumerate(self.layers):
             h = self._rms(x, layer.input_layernorm)
-            q, k, v = self._qkv(i, h)
-            q = self._rope(q.view(B, self.n_kv, self.group, D), cos, sin)  # GQA: group as queries
-            k = self._rope(k.view(B, self.n_kv, 1, D), cos, sin)
-            v = v.view(B, self.n_kv, 1, D)
+            w, b, _ = self._fused[i]
+            qkv = F.linear(h[:, 0], w, b)  # [B, (H + 2 Hkv) D]
+            # One RoPE over q and k together (they are adjacent in the fused output): fewer kernels.
+            qk = self._rope(qkv[:, : nqk * D].view(B, nqk, D), cos2, sin2)
+            q = qk[:, : self.n_heads].view(B, self.n_kv, self.group, D)  # GQA: group as queries
+            k = qk[:, self.n_heads :].view(B, self.n_kv, 1, D)
+            v = qkv[:, nqk * D :].view(B, self.n_kv, 1, D)
             kc, vc = self.k_cache[i], self.v_cache[i]
             kc[self._rows, :, pos] = k[:, :, 0]
             vc[self._rows, :, pos] = v[:, :, 0]
