@@ -125,7 +125,7 @@ class StaticDecoder:
         self.use_graphs = (dev.type == "cuda") if use_cuda_graphs is None else use_cuda_graphs
         self._step_fn: Callable[[int], None] = self._decode_step
         if compile_step:
-            self._step_fn = torch.compile(self._decode_step, dynamic=False)
+            self._step_fn = torch.compile(self._decode_step)  # kv_len goes dynamic after 2 buckets
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
 
