@@ -190,14 +190,18 @@ def run_on_ray(
         if os.environ.get("RAY_ADDRESS"):
             ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=True)
         else:
-            ray.init(
-                num_cpus=num_cpus,
-                resources=resources,
-                include_dashboard=False,
-                runtime_env=runtime_env,
-                log_to_driver=True,
-                _temp_dir=os.environ.get("RLKUBE_RAY_TMPDIR"),
-            )
+            try:
+                ray.init(
+                    num_cpus=num_cpus,
+                    resources=resources,
+                    include_dashboard=False,
+                    runtime_env=runtime_env,
+                    log_to_driver=True,
+                    _temp_dir=os.environ.get("RLKUBE_RAY_TMPDIR"),
+                )
+            except BaseException:
+                ray.shutdown()  # a half-started local Ray (GCS up, raylet not) must not outlive us
+                raise
             started = True
     n_rollout = spec.rollout.replicas if spec.training.mode == "separate_async" else 1
     out = Path(output_dir).resolve()

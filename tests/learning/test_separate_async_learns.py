@@ -16,7 +16,9 @@ from rlkube.runtime.trainer.ray_runtime import run_on_ray
 
 from .helpers import assert_learned, learning_job
 
-THRESHOLD = 1.0
+# 0.5: a sample may not be a whole version old (floor), so the rollouter streams ahead by half a batch
+# and whatever would be trained on stale weights is dropped instead.
+THRESHOLD = 0.5
 
 
 @pytest.mark.slow
@@ -38,6 +40,8 @@ def test_separate_async_grpo_learns_with_bounded_staleness(
     assert len(rows) == job.spec.training.total_steps
     assert max(r["staleness/max"] for r in rows) <= THRESHOLD
     mean_stale = sum(r["staleness/mean"] for r in rows) / len(rows)
-    assert 0.0 < mean_stale <= THRESHOLD  # really asynchronous: some samples are one version old
+    assert mean_stale <= THRESHOLD
+    # Really asynchronous: the rollouter ran ahead (groups were generated beyond what was trained on).
+    assert rows[-1]["staleness/dropped_total"] > 0 or rows[-1]["rollout/aborted_total"] > 0
     assert res.curve_path is not None and res.curve_path.exists()
     print("held-out reward curve (separate_async):", curve, "mean staleness", round(mean_stale, 3))
