@@ -120,7 +120,7 @@ def prepare_tiny_task(
     max_operand: int = 19,
     ops: str = "+",
     heldout: int = 60,
-    sft_steps: int = 80,
+    sft_steps: int = 65,
     sft_examples: int = 0,
     hidden_size: int = 128,
     num_layers: int = 2,
