@@ -335,7 +335,7 @@ def run_demo(args: argparse.Namespace) -> int:
         say(
             f"1/7 starting a local Kubernetes control plane in {state_dir}: real etcd, kube-apiserver, "
             "controller-manager, scheduler and KubeRay operator as plain processes; kwok fakes one "
-            "8-GPU AMD node and one CPU node (first start: 10-30 s)"
+            "8-GPU AMD node and one CPU node (10-60 s)"
         )
     try:
         state = cluster.up(owner="demo")
@@ -352,17 +352,16 @@ def run_demo(args: argparse.Namespace) -> int:
         kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
         _poll(lambda: _crd_established(kubectl), 60, "the RLJob CRD to be Established", interval=0.3)
         kubectl.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
-        if _exists(kubectl, ns, "rljob", name):
-            say(f"    deleting the RLJob {ns}/{name} left from an earlier run (and its children)")
-            kubectl("-n", ns, "delete", "rljob", name, "--wait=true", "--timeout=90s", timeout=120)
-            _poll(lambda: not _exists(kubectl, ns, "rayjob", name), 120, "the old RayJob to go away")
-
         # 2. operator
         op_log = cluster.logs_dir / "operator.log"
         say(f"2/7 starting the rlkube operator, watching namespace {ns} (log: {op_log})")
         operator = Operator(cluster.kubeconfig, ns, op_log)
         operator.wait_live()
         say("    operator is live")
+        if _exists(kubectl, ns, "rljob", name):  # after the operator is up: its finalizer must run
+            say(f"    deleting the RLJob {ns}/{name} left from an earlier run (and its children)")
+            kubectl("-n", ns, "delete", "rljob", name, "--wait=true", "--timeout=90s", timeout=120)
+        _poll(lambda: not _exists(kubectl, ns, "rayjob", name), 120, "an earlier run's RayJob to go away")
 
         # 3. task
         say(
@@ -536,7 +535,8 @@ def run_demo(args: argparse.Namespace) -> int:
             else:
                 say("    --down: the control plane was already running before the demo; left running")
         elif ok:
-            say(f"the control plane keeps running ({cluster.kubeconfig}); stop it with `make cluster-down`")
+            say(f"the control plane keeps running ({cluster.kubeconfig})")
+            say(f"stop it with `{stop_command(cluster)}`")
 
 
 def _output_dir(train_log: Path, workdir: Path, name: str) -> Path:
@@ -547,6 +547,16 @@ def _output_dir(train_log: Path, workdir: Path, name: str) -> Path:
             p = Path(metrics)
             return (p if p.is_absolute() else workdir / p).parent
     return workdir / "outputs" / name
+
+
+def stop_command(cluster: DevCluster) -> str:
+    """How to stop this cluster: `make cluster-down` for the default state dir."""
+    if (
+        cluster.state_dir == (REPO_ROOT / ".devcluster").resolve()
+        and "RLKUBE_DEVCLUSTER_DIR" not in os.environ
+    ):
+        return "make cluster-down"
+    return f"{Path(sys.executable).parent / 'rlkube-devcluster'} --state-dir {cluster.state_dir} down"
 
 
 def _report(out_dir: Path, cluster: DevCluster, will_down: bool) -> dict[str, Any]:
@@ -570,7 +580,7 @@ def _report(out_dir: Path, cluster: DevCluster, will_down: bool) -> dict[str, An
         print(f"    held-out reward (greedy): {evals[0][1]:.3f} at step {evals[0][0]}", flush=True)
     if not will_down:
         print(
-            f"    kubectl: export KUBECONFIG={cluster.kubeconfig}; stop the cluster: make cluster-down",
+            f"    kubectl: export KUBECONFIG={cluster.kubeconfig}; stop the cluster: {stop_command(cluster)}",
             flush=True,
         )
     return {
