@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from rlkube.devcluster import DevClusterError
 from rlkube.devcluster.testing import Kubectl, TestCluster, open_test_cluster
 from rlkube.devcluster.testing import wait_for as _wait_for

@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kubernetes import client
+
 from rlkube.devcluster.testing import Kubectl
 
 RAY_IMAGE = "rayproject/ray:2.52.0"

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from rlkube.devcluster import ClusterConfig, DevCluster, DevClusterError, listening_ports
 from rlkube.devcluster.testing import TEST_KUBECONFIG_ENV, Kubectl, open_test_cluster
 

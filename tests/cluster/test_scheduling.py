@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 from kubernetes import client
+
 from rlkube.devcluster.testing import Kubectl
 
 MAX_GPUS_PER_NODE = 8

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from rlkube.devcluster.testing import wait_for
 
 
