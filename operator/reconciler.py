@@ -177,14 +177,16 @@ class Reconciler:
             operator_image_defaults=self.config.render_defaults,
         )
         objs = [prepare_child(o, name=key[1], labels=labels) for o in children.all()]
-        rbac_and_config = [o for o in objs if o["kind"] != "RayJob"]
         ray_job = next(o for o in objs if o["kind"] == "RayJob")
         state.ray_job_name = str(ray_job["metadata"]["name"])
-        # RBAC and config are independent of each other (RoleBinding names its Role, which SSA accepts
-        # before the Role exists); the RayJob goes last so its pods find them.
-        await asyncio.gather(
-            *(self.kube.apply(o, field_manager=self.config.field_manager) for o in rbac_and_config)
-        )
+        # Three waves: the RoleBinding needs its Role to exist (RBAC checks that the binder holds the
+        # Role's rules, which it cannot do for a missing Role: 404), the RayJob needs them all.
+        waves = [
+            [o for o in objs if o["kind"] in ("ServiceAccount", "Role", "ConfigMap")],
+            [o for o in objs if o["kind"] == "RoleBinding"],
+        ]
+        for wave in waves:
+            await asyncio.gather(*(self.kube.apply(o, field_manager=self.config.field_manager) for o in wave))
         await self.kube.apply(ray_job, field_manager=self.config.field_manager)
         state.applied_generation = gen
         log.info("applied %d children of RLJob %s/%s (generation %d)", len(objs), key[0], key[1], gen)
