@@ -188,6 +188,8 @@ class ColocateAsyncDriver(_Base):
         )
         self.partial_rollout = a.partial_rollout
         self.threshold = a.staleness_threshold
+        self.max_stale = math.floor(a.staleness_threshold + 1e-9)
+        self.dropped_stale = 0
         self.refs: dict[str, PromptRef] = {}
         self.done: dict[str, list[Completion]] = {}
         self.partials: list[Completion] = []
@@ -209,11 +211,19 @@ class ColocateAsyncDriver(_Base):
         timing: dict[str, float] = {}
         t_step = time.perf_counter()
         t0 = time.perf_counter()
+        # Requests started too long ago cannot be trained on any more: drop them instead of finishing.
+        too_old = {c.request_id for c in self.partials if tr.version - c.policy_version > self.max_stale}
+        too_old |= {s.group for s in self.carried if tr.version - s.policy_version > self.max_stale}
+        for rid in too_old:
+            self.refs.pop(rid, None)
+            self.done.pop(rid, None)
+        self.dropped_stale += len(too_old)
+        self.partials = [c for c in self.partials if c.request_id not in too_old]
         if self.partials:
             eng.resume(self.partials)
             self.partials = []
         self._top_up(eng)
-        ready: list[Sample] = list(self.carried)
+        ready: list[Sample] = [s for s in self.carried if s.group not in too_old]
         self.carried = []
         ready_groups = len({s.group for s in ready})
         t_rew = 0.0
@@ -226,6 +236,10 @@ class ColocateAsyncDriver(_Base):
                 self.done.setdefault(c.request_id, []).append(c)
             for rid in [r for r, cs in self.done.items() if len(cs) >= n]:
                 cs = self.done.pop(rid)
+                if tr.version - min(c.policy_version for c in cs) > self.max_stale:
+                    self.refs.pop(rid, None)
+                    self.dropped_stale += 1
+                    continue
                 t1 = time.perf_counter()
                 ready.extend(tr.score(cs, self.refs))
                 t_rew += time.perf_counter() - t1
@@ -256,6 +270,7 @@ class ColocateAsyncDriver(_Base):
         m["staleness/mean"] = sum(version_used - s.policy_version for s in batch) / len(batch)
         m["staleness/max"] = float(max(version_used - s.policy_version for s in batch))
         m["rollout/aborted_samples"] = float(len(partial))
+        m["staleness/dropped_groups_total"] = float(self.dropped_stale)
         m.update(self.push_weights(timing))
         m["timing_s/update_weights"] = timing["update_weights"]
         step_s = time.perf_counter() - t_step

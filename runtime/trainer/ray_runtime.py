@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -190,18 +191,25 @@ def run_on_ray(
         if os.environ.get("RAY_ADDRESS"):
             ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=True)
         else:
-            try:
-                ray.init(
-                    num_cpus=num_cpus,
-                    resources=resources,
-                    include_dashboard=False,
-                    runtime_env=runtime_env,
-                    log_to_driver=True,
-                    _temp_dir=os.environ.get("RLKUBE_RAY_TMPDIR"),
-                )
-            except BaseException:
-                ray.shutdown()  # a half-started local Ray (GCS up, raylet not) must not outlive us
-                raise
+            # Ray gives its raylet a fixed 30 s to register; on a loaded machine that can be too
+            # short, so a failed start is cleaned up and retried.
+            for attempt in range(3):
+                try:
+                    ray.init(
+                        num_cpus=num_cpus,
+                        resources=resources,
+                        include_dashboard=False,
+                        runtime_env=runtime_env,
+                        log_to_driver=True,
+                        _temp_dir=os.environ.get("RLKUBE_RAY_TMPDIR"),
+                    )
+                    break
+                except Exception as e:
+                    ray.shutdown()  # a half-started local Ray (GCS up, raylet not) must not outlive us
+                    if attempt == 2:
+                        raise
+                    log.warning("local Ray did not start (%s); retrying", e)
+                    time.sleep(5)
             started = True
     n_rollout = spec.rollout.replicas if spec.training.mode == "separate_async" else 1
     out = Path(output_dir).resolve()
