@@ -527,8 +527,9 @@ def run_demo(args: argparse.Namespace) -> int:
         if operator is not None:
             say("    stopping the operator")
             operator.stop()
-        cluster.detach(user)
-        if args.down:
+        if cluster.detach(user):  # a pytest-started cluster whose sessions are all gone stops here
+            say("    the control plane was started by a pytest session that has ended: stopped it")
+        elif args.down:
             if started_here:
                 say("    --down: stopping the control plane")
                 cluster.down()
