@@ -20,7 +20,6 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 @pytest.mark.slow
 def test_sync_grpo_learns_arithmetic_vllm(tmp_path: Path, learn_task: Any) -> None:
-    pytest.importorskip("vllm")
     path = learning_job(tmp_path / "job.yaml", learn_task, "sync", rollout={"engine": "vllm"})
     job = resolve(load_rljob(path))
     assert job.spec.rollout.engine == "vllm"
