@@ -35,7 +35,7 @@ def _kuberay_validator() -> jsonschema.Draft7Validator | None:
 def _errors(rayjob: dict[str, Any]) -> list[str]:
     validator = _kuberay_validator()
     if validator is None:
-        pytest.skip("KubeRay CRDs missing from the tool cache: run `make cluster-build`")
+        pytest.fail("KubeRay CRDs missing from the tool cache: run `make cluster-build`")
     body = {k: v for k, v in rayjob.items() if k != "metadata"}
     errors = sorted(validator.iter_errors(body), key=lambda e: list(e.path))
     return [f"{'.'.join(map(str, e.path))}: {e.message}" for e in errors]
