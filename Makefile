@@ -43,7 +43,7 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy runtime operator tests/cluster/devcluster
 
-test: venv cluster-build
+test: venv cluster-build lint
 	$(PYTEST) -p no:cacheprovider tests
 
 demo: venv cluster-build
