@@ -21,10 +21,11 @@ if ! command -v uv >/dev/null; then
   "$PYTHON" -m pip install -q uv
 fi
 
-# Keyed by the dependency lists (not the whole pyproject) and this script, so editing the package
-# list or tool settings reuses the env.
+# Keyed by the dependency lists (not the whole pyproject), this script and the checkout's path: the
+# editable install points at one checkout, so two clones on one machine (a developer's and CI's)
+# must not share an env. uv hardlinks from its cache, so another env costs seconds, not gigabytes.
 deps=$("$PYTHON" -P -c 'import sys,tomllib,json; p=tomllib.load(open(sys.argv[1],"rb"))["project"]; print(json.dumps([p.get("dependencies"), p.get("optional-dependencies")], sort_keys=True))' "$top/pyproject.toml")
-key=$( (echo "$deps"; cat "$0") | sha256sum | cut -c1-12)
+key=$( (echo "$deps"; echo "$top"; cat "$0") | sha256sum | cut -c1-12)
 venv="$cache/venv-$key"
 if [ ! -x "$venv/bin/python" ] || [ ! -f "$venv/.complete" ]; then
   echo "[python-env] building $venv (cold: ~5 min, mostly downloads)"
