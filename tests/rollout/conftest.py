@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -47,3 +49,26 @@ def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
         torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0
     )
     return out[0, len(prompt) :].tolist()
+
+
+def abort_midway(
+    engine: Any, requests: list[Any], max_tokens: int, expected: int, wait_s: float
+) -> list[Any]:
+    """Submit, wait, abort, until every sample was caught in flight and at least one mid-sample.
+
+    Machines here are noisy: a wait can be too short (no tokens yet) or too long (some samples
+    already finished). Finished samples are drained from ``poll`` so they never leak into a later
+    assertion, and the wait adapts in both directions.
+    """
+    for _ in range(30):
+        engine.submit(requests)
+        time.sleep(wait_s)
+        partials = engine.abort_all()
+        finished = engine.poll()
+        if finished:  # too slow a wait: some samples completed before the abort
+            wait_s /= 2
+            continue
+        if len(partials) == expected and any(0 < len(p.token_ids) < max_tokens for p in partials):
+            return partials
+        wait_s *= 1.5  # nothing generated yet
+    raise AssertionError(f"never caught {expected} samples in flight mid-generation")

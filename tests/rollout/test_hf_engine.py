@@ -13,7 +13,7 @@ from rlkube.runtime.rollout import RolloutRequest, SamplingParams, UnsupportedCa
 from rlkube.runtime.rollout.base import Completion
 from rlkube.runtime.rollout.hf import HFEngine, teacher_forced_logprobs
 
-from .conftest import hf_greedy, hf_model
+from .conftest import abort_midway, hf_greedy, hf_model
 
 # fp32 on the CPU: the engine's own forward vs transformers' forward differ only by summation order.
 LOGPROB_ATOL = 1e-4
@@ -113,13 +113,7 @@ def test_abort_then_resume_under_new_weights(
 ) -> None:
     original = {k: v.clone() for k, v in engine.model.state_dict().items()}
     max_tokens = 400
-    partials: list[Completion] = []
-    for _ in range(20):  # wait until the loop has produced some (not all) tokens
-        engine.submit(_requests(n=2, max_tokens=max_tokens, seed=2))
-        time.sleep(0.2)
-        partials = engine.abort_all()
-        if any(0 < len(p.token_ids) < max_tokens for p in partials):
-            break
+    partials = abort_midway(engine, _requests(n=2, max_tokens=max_tokens, seed=2), max_tokens, 6, wait_s=0.2)
     assert len(partials) == 6 and all(p.finish_reason == "abort" for p in partials)
     assert engine.num_in_flight() == 0
     for p in partials:  # the kept tokens are what version 0 produced
@@ -147,6 +141,8 @@ def test_abort_then_resume_under_new_weights(
             tf = teacher_forced_logprobs(new, c.prompt_ids + c.token_ids[:k], c.token_ids[k:])
             assert torch.allclose(torch.tensor(c.logprobs[k:]), tf, atol=LOGPROB_ATOL)
     finally:
+        engine.abort_all()  # a failed assertion must not leave samples that block the next test
+        engine.poll()
         engine.load_weights(original.items(), version=2)
 
 

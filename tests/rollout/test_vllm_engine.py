@@ -13,7 +13,7 @@ from rlkube.runtime.rollout.base import Completion
 from rlkube.runtime.rollout.hf import teacher_forced_logprobs
 from rlkube.runtime.rollout.vllm_engine import VLLMEngine
 
-from .conftest import hf_greedy, hf_model
+from .conftest import abort_midway, hf_greedy, hf_model
 
 pytestmark = pytest.mark.vllm
 
@@ -120,13 +120,7 @@ def test_vllm_abort_and_resume_under_new_weights(
 
     original = load_file(tiny_model_dir / "model.safetensors")
     max_tokens = 300
-    partials: list[Completion] = []
-    for _ in range(20):
-        engine.submit(_requests(n=1, max_tokens=max_tokens, seed=9))
-        time.sleep(1.0)
-        partials = engine.abort_all()
-        if any(0 < len(p.token_ids) < max_tokens for p in partials):
-            break
+    partials = abort_midway(engine, _requests(n=1, max_tokens=max_tokens, seed=9), max_tokens, 3, wait_s=1.0)
     assert len(partials) == 3 and all(p.finish_reason == "abort" for p in partials)
     assert engine.num_in_flight() == 0
     old = hf_model(tiny_model_dir)
@@ -152,6 +146,8 @@ def test_vllm_abort_and_resume_under_new_weights(
             if k < max_tokens:
                 assert _max_err(new, c, start=k) < LOGPROB_ATOL
     finally:
+        engine.abort_all()  # a failed assertion must not leave samples that block the next test
+        engine.poll()
         engine.load_weights(original.items(), version=start_version + 2)
 
 
