@@ -3,10 +3,11 @@
 Random-init Qwen2 with Qwen2.5-0.5B / 1.5B shapes, bf16 compute (fp32 master weights + AdamW),
 8 prompts x 8 samples = 64 completions of 256 tokens after a 64-token prompt, no stop tokens (every
 completion runs to length, on both sides). One process: no Ray, no vLLM. Per step: generate (hf
-engine) -> reward -> old log-prob -> GRPO advantages -> one PPO update -> full bf16 weight sync into
-the engine. Reports rollout tokens/s, train tokens/s, end-to-end completion tokens/s, MFU, step time,
-peak memory, the decode bound, and -- when ``trl`` imports -- TRL's end-to-end completion tokens/s
-on the identical model/batch/group/lengths as a ratio.
+engine) -> reward -> GRPO advantages -> one PPO update (one epoch x one mini-batch is on-policy: no
+separate old log-prob pass, as in the trainer) -> full bf16 weight sync into the engine. Reports
+rollout tokens/s, train tokens/s, end-to-end completion tokens/s, MFU, step time, peak memory, the
+decode bound, and -- when ``trl`` imports -- TRL's end-to-end completion tokens/s on the identical
+model/batch/group/lengths as a ratio.
 
     python bench/gpu/trainer_gpu.py            # GPU: 0.5b and 1.5b
     python bench/gpu/trainer_gpu.py --smoke    # CPU: tiny shapes, seconds (tested in CI)
@@ -54,6 +55,9 @@ def _import_rlkube() -> None:
         spec.loader.exec_module(mod)
 
 
+COMPILE_CHOICES: dict[str, Any] = {"auto": "auto", "on": True, "off": False}
+
+
 def copy_bandwidth(device: torch.device) -> float:
     """Device-to-device copy bytes/s, counted once (read+write is twice this)."""
     if device.type != "cuda":
@@ -85,7 +89,7 @@ def rlkube_grpo(size: str, args: argparse.Namespace, device: torch.device) -> di
     from rlkube.runtime.models.tiny import make_qwen2_like
     from rlkube.runtime.rollout.base import RolloutRequest, SamplingParams
     from rlkube.runtime.rollout.hf import HFEngine
-    from rlkube.runtime.trainer.actor import LossConfig, OptimConfig, PolicyWorker
+    from rlkube.runtime.trainer.actor import LossConfig, OptimConfig, PolicyWorker, needs_old_logprob_pass
     from rlkube.runtime.trainer.batch import Sample, collate
     from rlkube.runtime.weights import WeightSender
 
@@ -113,7 +117,13 @@ def rlkube_grpo(size: str, args: argparse.Namespace, device: torch.device) -> di
         num_slots=args.prompts * args.group,
         max_seq_len=args.prompt_len + args.new_tokens,
         seed=0,
+        compile_step=COMPILE_CHOICES[args.compile],
     )
+    engine_compiled = getattr(engine.decoder, "compiled", None)
+    # One PPO epoch over one mini-batch (the whole batch), like the trainer at miniBatchSize ==
+    # trainBatchSize, ppoEpochs 1: on-policy, so the update uses its own detached log-probs.
+    num_mini, epochs = 1, 1
+    old_pass = needs_old_logprob_pass(num_mini, epochs)
     actor = PolicyWorker(
         "",
         model=base,
@@ -156,13 +166,18 @@ def rlkube_grpo(size: str, args: argparse.Namespace, device: torch.device) -> di
         ]
         batch = collate(samples, 0)
         t0 = time.perf_counter()
-        old, _ = actor.compute_logprobs(batch)
-        batch.extras["old_logp"] = old
+        t_old = 0.0
+        if old_pass:
+            old, _ = actor.compute_logprobs(batch)
+            batch.extras["old_logp"] = old
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            t_old = time.perf_counter() - t0
         adv, _ = compute_advantages(
             "grpo", mask=batch.response_mask, scores=batch.scores, group_index=batch.group_index
         )
         batch.extras["advantages"] = adv
-        actor.update(batch, num_mini_batches=1)
+        actor.update(batch, num_mini_batches=num_mini, epochs=epochs)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t_train = time.perf_counter() - t0
@@ -172,13 +187,15 @@ def rlkube_grpo(size: str, args: argparse.Namespace, device: torch.device) -> di
         dt = time.perf_counter() - t_step
         resp = sum(len(c.token_ids) for c in comps)
         total = resp + args.prompts * args.group * args.prompt_len
-        train_flops = 2 * n_params * total * 4  # old-logprob fwd + fwd/bwd (3x)
+        # fwd + bwd (3x), plus the old-logprob fwd when it runs
+        train_flops = 2 * n_params * total * (4 if old_pass else 3)
         gen_flops = 2 * n_params * resp
         steps.append(
             {
                 "step_s": dt,
                 "gen_s": t_gen,
                 "train_s": t_train,
+                "old_logprob_s": t_old,
                 "sync_s": t_sync,
                 "rollout_tokens_per_s": resp / t_gen,
                 "train_tokens_per_s": total / t_train,
@@ -196,6 +213,8 @@ def rlkube_grpo(size: str, args: argparse.Namespace, device: torch.device) -> di
     return {
         "size": size,
         "params": n_params,
+        "engine_compiled": engine_compiled,
+        "old_logprob_pass": old_pass,
         "steps": steps,
         "mean_after_warmup": avg,
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
@@ -293,6 +312,12 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--no-trl", action="store_true")
+    p.add_argument(
+        "--compile",
+        choices=sorted(COMPILE_CHOICES),
+        default="auto",
+        help="HFEngine compile_step: auto (the engine decides), on, off",
+    )
     args = p.parse_args()
     if args.smoke:
         args.sizes, args.steps, args.prompts, args.group = "tiny", 2, 2, 2

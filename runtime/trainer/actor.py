@@ -146,11 +146,60 @@ class _Worker:
         return model
 
 
+def needs_old_logprob_pass(num_mini_batches: int, epochs: int) -> bool:
+    """Does an update of ``epochs`` x ``num_mini_batches`` need pi_old log-probs from their own pass?
+
+    One epoch over one mini-batch (the whole batch) is exactly on-policy: pi_old is the current
+    weights, so the old log-probs equal the detached log-probs of the update's own forward pass
+    (ratio == 1) and the extra no-grad forward over the batch can be skipped. Any later mini-batch or
+    epoch runs after an optimiser step, so it needs the log-probs computed before the first one.
+    """
+    return not (num_mini_batches == 1 and epochs == 1)
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module whose ``forward`` signature matters: through torch.compile / DDP wrappers."""
+    for attr in ("_orig_mod", "module"):
+        inner = getattr(model, attr, None)
+        if isinstance(inner, nn.Module):
+            return _unwrap(inner)
+    return model
+
+
+_KEEPS_LOGITS: dict[type, bool] = {}
+
+
+def accepts_logits_to_keep(model: nn.Module) -> bool:
+    """Whether the (unwrapped) model's forward takes HF's ``logits_to_keep`` (cached per class)."""
+    inner = _unwrap(model)
+    cls = type(inner)
+    if cls not in _KEEPS_LOGITS:
+        import inspect
+
+        try:
+            params = inspect.signature(inner.forward).parameters
+            _KEEPS_LOGITS[cls] = "logits_to_keep" in params
+        except (TypeError, ValueError):
+            _KEEPS_LOGITS[cls] = False
+    return _KEEPS_LOGITS[cls]
+
+
 def response_logits(model: nn.Module, mb: Batch, temperature: float) -> Tensor:
-    """Logits predicting each response token, ``[b, T, V]``, divided by the sampling temperature."""
-    out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids)
+    """Logits predicting each response token, ``[b, T, V]``, divided by the sampling temperature.
+
+    Rows are ``[prompt (width p) | response (width T)]``, so with ``L = p + T`` the logits predicting
+    response tokens sit at ``[p - 1, p - 1 + T) = [L - T - 1, L - 1)``: when the model takes
+    ``logits_to_keep`` only the last ``T + 1`` positions go through the LM head (not all ``L``).
+    """
     p, t = mb.prompt_width, mb.responses.shape[1]
-    logits = out.logits[:, p - 1 : p - 1 + t]
+    kwargs: dict[str, Any] = {}
+    keep = mb.input_ids.shape[1] == p + t and p >= 1 and accepts_logits_to_keep(model)
+    if keep:
+        kwargs["logits_to_keep"] = t + 1
+    out = model(
+        input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids, **kwargs
+    )
+    logits = out.logits[:, :t] if keep else out.logits[:, p - 1 : p - 1 + t]
     return logits / temperature if temperature not in (0.0, 1.0) else logits
 
 
@@ -184,6 +233,7 @@ class PolicyWorker(_Worker):
         self.num_params = sum(p.numel() for p in model.parameters())
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
+        self.last_update_logp: Tensor | None = None  # on-policy updates: the detached old log-probs
         if trainable:
             self.optimizer = torch.optim.AdamW(
                 self.model.parameters(),
@@ -215,11 +265,24 @@ class PolicyWorker(_Worker):
     def update(self, batch: Batch, num_mini_batches: int, epochs: int = 1) -> dict[str, float]:
         """``epochs`` passes of ``num_mini_batches`` optimiser updates over ``batch``.
 
-        ``batch.extras`` must hold ``old_logp`` and ``advantages`` (and ``ref_logp`` with a KL loss).
+        ``batch.extras`` must hold ``advantages`` (and ``ref_logp`` with a KL loss), and ``old_logp``
+        unless the update is one epoch over one mini-batch: then pi_old is the current weights and the
+        detached log-probs of the update's own forward pass are used (see
+        :func:`needs_old_logprob_pass`); they are kept, in ``batch`` row order on the CPU, in
+        :attr:`last_update_logp` for metrics that compare against old log-probs.
         Rows are taken in order (the caller shuffles); the LR scheduler is stepped by the caller.
         """
         if self.optimizer is None:
             raise RuntimeError("the reference policy is not trainable")
+        on_policy = "old_logp" not in batch.extras
+        if on_policy and needs_old_logprob_pass(num_mini_batches, epochs):
+            raise ValueError(
+                "batch.extras['old_logp'] is required for multi-mini-batch/multi-epoch updates "
+                f"(num_mini_batches={num_mini_batches}, epochs={epochs}): compute it with "
+                "compute_logprobs() before the update"
+            )
+        self.last_update_logp = None
+        kept: list[Tensor] | None = [] if on_policy else None
         cfg = self.loss_cfg
         sums: dict[str, float] = {}
         count = 0
@@ -229,11 +292,13 @@ class PolicyWorker(_Worker):
         for _ in range(epochs):
             for start in range(0, rows, per_mini):
                 mini = batch.select(list(range(start, min(start + per_mini, rows))))
-                stats = self._mini_step(mini, cfg)
+                stats = self._mini_step(mini, cfg, kept)
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v
                 count += 1
         self.model.eval()
+        if kept is not None:
+            self.last_update_logp = torch.cat(kept)
         return {k: v / max(count, 1) for k, v in sums.items()}
 
     def _global_counts(self, mini: Batch) -> tuple[float, int]:
@@ -248,7 +313,9 @@ class PolicyWorker(_Worker):
             tokens, seqs = float(t[0]) / self.world_size, int(t[1].item()) // self.world_size
         return tokens, seqs
 
-    def _mini_step(self, mini: Batch, cfg: LossConfig) -> dict[str, float]:
+    def _mini_step(self, mini: Batch, cfg: LossConfig, kept: list[Tensor] | None = None) -> dict[str, float]:
+        """One optimiser step over ``mini``; without ``old_logp`` in its extras the update is
+        on-policy (the caller checked) and the detached log-probs (kept in ``kept``) stand in."""
         assert self.optimizer is not None
         self.optimizer.zero_grad(set_to_none=True)
         g_tokens, g_seqs = self._global_counts(mini)
@@ -260,9 +327,14 @@ class PolicyWorker(_Worker):
                 logits = response_logits(self.model, mb, cfg.temperature)
             logp = logprobs_from_logits(logits, mb.responses)
             mask = mb.response_mask
+            old_logp = mb.extras.get("old_logp")
+            if old_logp is None:  # one epoch x one mini-batch: pi_old is these weights (ratio == 1)
+                old_logp = logp.detach()
+                if kept is not None:
+                    kept.append(old_logp.float().cpu())
             pg, m = ppo_policy_loss(
                 logp,
-                mb.extras["old_logp"],
+                old_logp,
                 mb.extras["advantages"],
                 mask,
                 clip_low=cfg.clip_low,
@@ -274,11 +346,14 @@ class PolicyWorker(_Worker):
             )
             loss = pg
             weight = float(mask.sum().item()) / n_tok  # token share of this micro-batch, for metrics
-            ent = entropy_from_logits(logits if cfg.entropy_coeff > 0 else logits.detach())
-            ent_val = masked_mean(ent.detach(), mask)
             if cfg.entropy_coeff > 0:
+                ent = entropy_from_logits(logits)
+                ent_val = masked_mean(ent.detach(), mask)
                 ent_loss = aggregate_loss(ent, mask, cfg.agg_mode, global_tokens=g_tokens, global_seqs=g_seqs)
                 loss = loss - cfg.entropy_coeff * ent_loss
+            else:  # metric only: no autograd graph over the [b, T, V] float32 temporaries
+                with torch.no_grad():
+                    ent_val = masked_mean(entropy_from_logits(logits.detach()), mask)
             if cfg.use_kl_loss and "ref_logp" in mb.extras:
                 kl = kl_penalty(logp, mb.extras["ref_logp"], cfg.kl_loss_type)
                 kl_loss = aggregate_loss(kl, mask, cfg.agg_mode, global_tokens=g_tokens, global_seqs=g_seqs)

@@ -21,7 +21,13 @@ from rlkube.runtime.data import PromptSampler, load_records
 from rlkube.runtime.data.records import Record
 from rlkube.runtime.rewards import get_reward_fn
 from rlkube.runtime.rollout.base import Completion, RolloutRequest, SamplingParams
-from rlkube.runtime.trainer.actor import CriticWorker, LossConfig, OptimConfig, PolicyWorker
+from rlkube.runtime.trainer.actor import (
+    CriticWorker,
+    LossConfig,
+    OptimConfig,
+    PolicyWorker,
+    needs_old_logprob_pass,
+)
 from rlkube.runtime.trainer.batch import Sample, collate
 
 
@@ -209,29 +215,43 @@ class Trainer:
     def train(
         self, samples: Sequence[Sample], timing: dict[str, float], *, step_lr: bool = True
     ) -> dict[str, float]:
-        """old log-prob -> (ref) -> (values) -> advantages -> ppoEpochs x mini-batch updates."""
+        """old log-prob -> (ref) -> (values) -> advantages -> ppoEpochs x mini-batch updates.
+
+        The old log-prob pass is skipped when the update is one epoch over one mini-batch (pi_old is
+        the current weights: the update uses its own detached log-probs, ratio == 1) and the KL is
+        not in the reward (that needs old log-probs before the advantages); ``actor/kl_ref`` then
+        comes from the update's detached log-probs, which are the same pre-update log-probs.
+        """
         spec = self.spec
         a = spec.algorithm
         batch = collate(samples, self.pad_id)
         mask = batch.response_mask
+        n_groups = len(set(batch.group_index.tolist()))
+        num_mini = max(1, round(n_groups / spec.training.mini_batch_size))
+        kl_type = a.kl.kl_penalty if a.kl.in_reward else a.kl.kl_loss_type
+        old_pass = needs_old_logprob_pass(num_mini, a.ppo_epochs) or (a.kl.in_reward and self.ref is not None)
+        old_logp = None
         t0 = time.perf_counter()
-        old_logp, _ = self.actor.compute_logprobs(batch)
-        batch.extras["old_logp"] = old_logp
+        if old_pass:
+            old_logp, _ = self.actor.compute_logprobs(batch)
+            batch.extras["old_logp"] = old_logp
         timing["old_log_prob"] = timing.get("old_log_prob", 0.0) + time.perf_counter() - t0
-        metrics: dict[str, float] = {}
+        metrics: dict[str, float] = {"actor/old_logprob_pass": float(old_pass)}
         token_rewards = None
         if self.ref is not None:
             t0 = time.perf_counter()
             ref_logp, _ = self.ref.compute_logprobs(batch)
             batch.extras["ref_logp"] = ref_logp
             timing["ref"] = timing.get("ref", 0.0) + time.perf_counter() - t0
-            kl = kl_penalty(old_logp, ref_logp, a.kl.kl_penalty if a.kl.in_reward else a.kl.kl_loss_type)
-            metrics["actor/kl_ref"] = float(masked_mean(kl, mask))
+            if old_logp is not None:
+                kl = kl_penalty(old_logp, ref_logp, kl_type)
+                metrics["actor/kl_ref"] = float(masked_mean(kl, mask))
         t0 = time.perf_counter()
         if a.kl.in_reward and self.ref is not None:
             from rlkube.runtime.algos import scores_to_token_rewards
 
             base = scores_to_token_rewards(batch.scores, mask)
+            assert old_logp is not None  # the KL in the reward always takes the old log-prob pass
             kl = kl_penalty(old_logp, batch.extras["ref_logp"], a.kl.kl_penalty)
             token_rewards = kl_in_reward(base, kl, a.kl.kl_coef, mask)
         if self.critic is not None:
@@ -266,8 +286,6 @@ class Trainer:
         self.rng.shuffle(order)
         rows = [i for g in order for i in groups[g]]
         batch = batch.select(rows)
-        n_groups = len(order)
-        num_mini = max(1, round(n_groups / spec.training.mini_batch_size))
         t0 = time.perf_counter()
         if self.critic is not None:
             metrics.update(self.critic.update(batch, num_mini, a.ppo_epochs))
@@ -277,6 +295,11 @@ class Trainer:
         if step_lr:
             self.actor.lr_step()
         timing["update_actor"] = timing.get("update_actor", 0.0) + time.perf_counter() - t0
+        on_policy_logp = self.actor.last_update_logp
+        if old_logp is None and self.ref is not None and on_policy_logp is not None:
+            # the update's detached log-probs are the pre-update (old) ones, in this batch's row order
+            kl = kl_penalty(on_policy_logp, batch.extras["ref_logp"], kl_type)
+            metrics["actor/kl_ref"] = float(masked_mean(kl, batch.response_mask))
         metrics["actor/updates"] = float(num_mini * a.ppo_epochs)
         return metrics
 
