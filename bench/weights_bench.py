@@ -3,11 +3,14 @@
     make bench-weights                                   # CPU, JSON in bench/results/weights-cpu.json
     python bench/weights_bench.py --device cuda          # GPU: D2D and D2H2D paths, weights-<gpu>.json
 
-Each sync is timed end to end: packing buckets (diff, nonzero, gather on the params' device),
+Each bucketed sync is timed end to end: packing buckets (diff, nonzero, gather on the params' device),
 moving them (in-process; GPU->GPU; or GPU->pinned host->GPU), verifying every checksum and
-applying them atomically on the receiver. Achieved bandwidth (model bytes / seconds) is compared
-with a copy bandwidth measured in the same run. Runs in one process without Ray or vLLM, so it
-also runs where only torch is installed (the H200 box); rlkube need not be installed.
+applying them atomically on the receiver. ``full_direct`` is the in-process full sync the
+trainer uses when the engine shares its process: validate every name and shape, then one
+grouped ``_foreach_copy_`` (no packing, no checksums: nothing crosses a wire). Achieved
+bandwidth (model bytes / seconds) is compared with a copy bandwidth measured in the same run.
+Runs in one process without Ray or vLLM, so it also runs where only torch is installed (the
+H200 box); rlkube need not be installed.
 """
 
 from __future__ import annotations
@@ -200,6 +203,7 @@ def bench_model(
     staging = Staging(int(bucket_mb * 2**20), device) if path == "d2h2d" else None
     # "seed": the first sync (dense; allocates snapshots and pinned memory), "full": a steady-state one.
     # "full_nosnap": a full sync by a sender that keeps no snapshots (full-sync-only deployments).
+    # "full_direct": no buckets at all, one validated grouped copy (trainer and engine in one process).
     totals: dict[str, dict[str, float]] = {"seed": {}, "full": {}, "full_nosnap": {}}
     totals.update({f"delta_{f}": {} for f in fractions})
     elements = 0
@@ -230,6 +234,19 @@ def bench_model(
             acc["payload_mb"] = acc.get("payload_mb", 0.0) + st.payload_mb
             acc["changed_elements"] = acc.get("changed_elements", 0) + st.changed_elements
             acc["buckets"] = acc.get("buckets", 0) + nb
+            identical &= all(
+                torch.equal(trainer[n].view(torch.int16), engine[n].view(torch.int16)) for n in trainer
+            )
+        if path != "d2h2d":  # same process, same device: the trainer's bucket-free full sync
+            perturb(trainer, 0.01, seed=gi * 10 + 99)
+            sync_device(device)
+            st = W.copy_direct(engine, trainer.items(), len(runs), require_all=True)
+            acc = totals.setdefault("full_direct", {})
+            acc["seconds"] = acc.get("seconds", 0.0) + st.seconds
+            acc["payload_mb"] = acc.get("payload_mb", 0.0) + st.payload_mb
+            moved = sum(t.numel() for t in trainer.values())
+            acc["changed_elements"] = acc.get("changed_elements", 0) + moved
+            acc["buckets"] = 0
             identical &= all(
                 torch.equal(trainer[n].view(torch.int16), engine[n].view(torch.int16)) for n in trainer
             )

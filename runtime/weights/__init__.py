@@ -5,6 +5,9 @@
     changed = apply_buckets(engine_state, buckets)                         # engine (atomic)
     sender.last_stats  # seconds, payload_mb, changed_ratio, buckets
 
+In one process with the engine (``capabilities.direct_weights``), a full sync skips buckets:
+``copy_direct(engine_params, model.named_parameters(), version)``.
+
 Transport: in-process (pass the buckets), `broadcast_buckets` / `gather_buckets` over
 torch.distributed. See docs/weights.md.
 """
@@ -18,12 +21,14 @@ from rlkube.runtime.weights.bucket import (
     payload_checksum,
     verify_checksum,
 )
+from rlkube.runtime.weights.direct import DirectCopyStats, copy_direct, plan_direct_copy
 from rlkube.runtime.weights.sender import LocalShard, SyncStats, WeightSender, is_sending_replica, local_shard
 from rlkube.runtime.weights.transport import broadcast_buckets, gather_buckets
 
 __all__ = [
     "BucketEntry",
     "BucketHeader",
+    "DirectCopyStats",
     "LocalShard",
     "SyncStats",
     "WeightBucket",
@@ -32,10 +37,12 @@ __all__ = [
     "WeightSyncError",
     "apply_buckets",
     "broadcast_buckets",
+    "copy_direct",
     "gather_buckets",
     "is_sending_replica",
     "local_shard",
     "payload_checksum",
+    "plan_direct_copy",
     "verify_buckets",
     "verify_checksum",
 ]
