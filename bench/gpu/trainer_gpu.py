@@ -119,7 +119,6 @@ def rlkube_grpo(size: str, args: argparse.Namespace, device: torch.device) -> di
         seed=0,
         compile_step=COMPILE_CHOICES[args.compile],
     )
-    engine_compiled = getattr(engine.decoder, "compiled", None)
     # One PPO epoch over one mini-batch (the whole batch), like the trainer at miniBatchSize ==
     # trainBatchSize, ppoEpochs 1: on-policy, so the update uses its own detached log-probs.
     num_mini, epochs = 1, 1
@@ -182,7 +181,10 @@ def rlkube_grpo(size: str, args: argparse.Namespace, device: torch.device) -> di
             torch.cuda.synchronize()
         t_train = time.perf_counter() - t0
         t0 = time.perf_counter()
-        engine.update_weights(list(sender.full(actor.full_named_parameters(), step + 1)), step + 1)
+        if args.weight_sync == "direct":  # what the trainer does in one process (full sync)
+            engine.load_weights(list(actor.full_named_parameters()), step + 1)
+        else:
+            engine.update_weights(list(sender.full(actor.full_named_parameters(), step + 1)), step + 1)
         t_sync = time.perf_counter() - t0
         dt = time.perf_counter() - t_step
         resp = sum(len(c.token_ids) for c in comps)
@@ -205,6 +207,8 @@ def rlkube_grpo(size: str, args: argparse.Namespace, device: torch.device) -> di
                 "completion_tokens": resp,
             }
         )
+    engine_compiled = getattr(engine.decoder, "compiled", None)  # False if compile fell back
+    compile_error = getattr(engine.decoder, "compile_error", None)
     engine.shutdown()
     bw = copy_bandwidth(device)
     timed = steps[1:] if len(steps) > 1 else steps  # first step warms up kernels / graphs
@@ -214,6 +218,8 @@ def rlkube_grpo(size: str, args: argparse.Namespace, device: torch.device) -> di
         "size": size,
         "params": n_params,
         "engine_compiled": engine_compiled,
+        "compile_error": compile_error[-3000:] if compile_error else None,
+        "weight_sync": args.weight_sync,
         "old_logprob_pass": old_pass,
         "steps": steps,
         "mean_after_warmup": avg,
@@ -317,6 +323,12 @@ def main() -> int:
         choices=sorted(COMPILE_CHOICES),
         default="auto",
         help="HFEngine compile_step: auto (the engine decides), on, off",
+    )
+    p.add_argument(
+        "--weight-sync",
+        choices=["direct", "buckets"],
+        default="direct",
+        help="full sync by direct copy (the trainer's in-process path) or checksummed buckets",
     )
     args = p.parse_args()
     if args.smoke:

@@ -120,6 +120,8 @@ class EngineCapabilities:
     full_weights: bool = True
     delta_weights: bool = False
     distributed_weights: bool = False
+    # load_weights copies straight from the caller's tensors in this process (no buckets needed)
+    direct_weights: bool = False
     logprobs_mode: str = LOGPROBS_MODE
     notes: str = ""
 

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -31,7 +31,10 @@ from rlkube.runtime.rollout.base import (
     expand_samples,
     sample_seed,
 )
-from rlkube.runtime.rollout.hf_decode import StaticDecoder, counter_uniform
+from rlkube.runtime.rollout.hf_decode import CompileSetting, StaticDecoder, counter_uniform
+
+if TYPE_CHECKING:
+    from rlkube.runtime.weights.direct import DirectCopyStats
 
 
 @dataclass
@@ -97,7 +100,7 @@ class HFEngine:
         max_seq_len: int = 1024,
         sync_every: int | None = None,
         cuda_graphs: bool | None = None,
-        compile_step: bool = False,
+        compile_step: CompileSetting = "auto",
         max_stop_ids: int = 8,
         seed: int = 0,
         version: int = 0,
@@ -124,6 +127,7 @@ class HFEngine:
         )
         self.sync_every = sync_every or (8 if self.device.type == "cuda" else 4)
         self._version = version
+        self.last_load_stats: DirectCopyStats | None = None
         self._rng = torch.Generator().manual_seed(seed)
         self._cv = threading.Condition()
         self._waiting: deque[_Work] = deque()
@@ -147,7 +151,8 @@ class HFEngine:
             full_weights=True,
             delta_weights=True,
             distributed_weights=False,
-            notes="static KV cache; CUDA graphs on CUDA; weights updated in place",
+            direct_weights=True,
+            notes="static KV cache; CUDA graphs (and torch.compile) on CUDA; weights updated in place",
         )
 
     @property
@@ -245,7 +250,14 @@ class HFEngine:
         return _ParamView(self.model)
 
     def load_weights(self, named_tensors: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Copy full (or partial) HF-named tensors into the model; nothing may be in flight."""
+        """Copy full (or partial) HF-named tensors into the model; nothing may be in flight.
+
+        Everything is validated before anything is written (an unknown name or a wrong shape
+        leaves the engine untouched), then copied in a few grouped kernels (``copy_direct``);
+        ``last_load_stats`` says how long it took and how many bytes were written.
+        """
+        from rlkube.runtime.weights.direct import copy_direct
+
         with self._paused():
             self._require_idle()
             view = _ParamView(self.model)
@@ -253,8 +265,7 @@ class HFEngine:
             unknown = [n for n, _ in items if n not in view]
             if unknown:
                 raise KeyError(f"unknown parameter names: {unknown[:5]}")
-            for name, t in items:
-                view[name] = t.to(self.device)
+            self.last_load_stats = copy_direct({n: view[n] for n in view}, items, version)
             self._after_update(version)
 
     def update_weights(self, buckets: Iterable[Any], version: int) -> set[str]:

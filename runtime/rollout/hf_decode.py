@@ -6,8 +6,13 @@ memory-bandwidth bound. Here a fixed set of *slots* (rows) shares one preallocat
 decode step is a pure function of device tensors (no host sync, no allocation), so on CUDA it is
 captured once per KV-length bucket as a CUDA graph and replayed; the host looks at finished flags
 only every ``sync_every`` steps. The forward reuses the HF module's own parameters (``nn.Linear``
-and norm weights) plus fused q/k/v and gate/up copies that ``refresh_fused`` re-copies in place after
-a weight update, so captured graphs stay valid.
+and norm weights). q/k/v and gate/up are fused once: the fused tensor becomes the storage and the
+HF modules' weights become views into it, so a weight update written into the HF parameters lands
+in the fused weights too (no re-copy, no second copy in memory) and captured graphs stay valid.
+
+``compile_step="auto"`` compiles the decode step with torch.compile on CUDA (inductor fuses the
+RoPE, residual, SiLU and sampling elementwise chains the graph would otherwise launch one kernel
+each) and falls back to the eager step, recording why, if compilation fails.
 
 Sampling is batched and counter-based: each slot has a 32-bit key (from the request seed) and the
 uniform for its ``i``-th token is a hash of (key, i), so a seeded sample is reproducible whatever
@@ -17,7 +22,9 @@ Logprobs are raw ``log_softmax(logits)`` of the sampled token (see ``rollout.bas
 
 from __future__ import annotations
 
+import logging
 import math
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +33,8 @@ import torch
 import torch.nn.functional as F
 
 _M32 = 0xFFFFFFFF
+log = logging.getLogger(__name__)
+CompileSetting = bool | str  # True, False or "auto" (compile on CUDA, eager elsewhere)
 
 
 def _fmix32(h: torch.Tensor) -> torch.Tensor:
@@ -74,7 +83,7 @@ class StaticDecoder:
         max_new_tokens: int,
         max_stop_ids: int = 8,
         use_cuda_graphs: bool | None = None,
-        compile_step: bool = False,
+        compile_step: CompileSetting = False,
         kv_bucket: int = 128,
     ) -> None:
         cfg: Any = model.config
@@ -123,35 +132,40 @@ class StaticDecoder:
         self._rows = torch.arange(self.B, device=dev)
         self.any_top_p = False
         self.use_graphs = (dev.type == "cuda") if use_cuda_graphs is None else use_cuda_graphs
+        if compile_step not in (True, False, "auto"):
+            raise ValueError(f"compile_step must be True, False or 'auto', not {compile_step!r}")
+        self.compiled = dev.type == "cuda" if compile_step == "auto" else bool(compile_step)
+        self.compile_error: str | None = None  # traceback of a failed compile (then eager)
+        self._compiled_ok: set[int] = set()  # KV buckets whose compiled step has run once
         self._step_fn: Callable[[int], None] = self._decode_step
-        if compile_step:
+        if self.compiled:
             self._step_fn = torch.compile(self._decode_step)  # kv_len goes dynamic after 2 buckets
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
 
     # ---- weights ---------------------------------------------------------------------------
     def refresh_fused(self) -> None:
-        """(Re)build the fused qkv / gate-up weights from the HF modules, in place when possible."""
-        fresh: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
+        """Keep the fused qkv / gate-up weights equal to the HF modules' weights.
+
+        The first call builds each fused tensor and re-points the HF weights at views of it, so
+        later calls (after a weight update) only check that the views are intact: a module whose
+        weight was replaced by a new tensor is copied back into the fused storage and re-viewed.
+        """
         with torch.no_grad():
-            for layer in self.layers:
-                a, m = layer.self_attn, layer.mlp
-                qkv_w = torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight], 0)
-                qkv_b = (
-                    torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias], 0)
-                    if a.q_proj.bias is not None
-                    else None
-                )
-                gu_w = torch.cat([m.gate_proj.weight, m.up_proj.weight], 0)
-                fresh.append((qkv_w, qkv_b, gu_w))
             if not self._fused:
-                self._fused = fresh
-                return
-            for (w, b, g), (nw, nb, ng) in zip(self._fused, fresh, strict=True):
-                w.copy_(nw)
-                g.copy_(ng)
-                if b is not None and nb is not None:
-                    b.copy_(nb)
+                for layer in self.layers:
+                    a, m = layer.self_attn, layer.mlp
+                    qkv = [a.q_proj, a.k_proj, a.v_proj]
+                    w = torch.cat([p.weight for p in qkv], 0)
+                    b = torch.cat([p.bias for p in qkv], 0) if a.q_proj.bias is not None else None
+                    gu = torch.cat([m.gate_proj.weight, m.up_proj.weight], 0)
+                    self._fused.append((w, b, gu))
+            for layer, (w, b, gu) in zip(self.layers, self._fused, strict=True):
+                a, m = layer.self_attn, layer.mlp
+                _bind_views(w, [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight])
+                if b is not None:
+                    _bind_views(b, [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
+                _bind_views(gu, [m.gate_proj.weight, m.up_proj.weight])
 
     # ---- model pieces ----------------------------------------------------------------------
     @staticmethod
@@ -287,14 +301,37 @@ class StaticDecoder:
     def decode(self, kv_len: int) -> None:
         """Run one decode step (graph replay on CUDA)."""
         if not self.use_graphs:
-            self._step_fn(kv_len)
+            self._guarded(False, kv_len)
             return
         key = (kv_len, self.any_top_p)
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._capture(kv_len)
+            graph = self._guarded(True, kv_len)
             self._graphs[key] = graph
         graph.replay()
+
+    def _guarded(self, capture: bool, kv_len: int) -> Any:
+        """Step (or capture a graph); if the compiled step fails to compile, go eager and retry."""
+
+        def run() -> Any:
+            return self._capture(kv_len) if capture else self._step_fn(kv_len)
+
+        if not self.compiled or kv_len in self._compiled_ok:
+            return run()
+        snap = {k: v.clone() for k, v in vars(self.state).items()}
+        try:
+            out = run()
+            self._compiled_ok.add(kv_len)
+            return out
+        except Exception:  # inductor/triton failures surface as many exception types
+            self.compile_error = traceback.format_exc()
+            log.warning("torch.compile of the decode step failed; decoding eagerly:\n%s", self.compile_error)
+            for k, v in snap.items():
+                getattr(self.state, k).copy_(v)
+            self.compiled = False
+            self._step_fn = self._decode_step
+            self._graphs.clear()
+            return run()
 
     def _capture(self, kv_len: int) -> torch.cuda.CUDAGraph:
         # Warm-up and capture run real steps, so snapshot the (small) slot state and restore it:
@@ -322,3 +359,15 @@ class StaticDecoder:
     def drop_graphs(self) -> None:
         """Forget captured graphs (e.g. after the cache or weights were reallocated)."""
         self._graphs.clear()
+
+
+def _bind_views(fused: torch.Tensor, params: list[Any]) -> None:
+    """Make each parameter's data the matching row block of ``fused`` (copying it in if it moved)."""
+    row = 0
+    for p in params:
+        n = p.shape[0]
+        view = fused[row : row + n]
+        if p.data_ptr() != view.data_ptr() or p.shape != view.shape:
+            view.copy_(p.data)
+            p.data = view
+        row += n

@@ -321,6 +321,18 @@ class Trainer:
             "weight_sync/buckets": float(st.buckets),
         }
 
+    def direct_sync_stats(self, stats: list[Any]) -> dict[str, float]:
+        """Metrics of a direct (bucket-free) full sync, shaped like ``sync_stats``."""
+        done = [s for s in stats if s is not None]
+        if not done:
+            return {}
+        return {
+            "weight_sync/payload_mb": done[0].payload_mb,
+            "weight_sync/changed_ratio": 1.0,
+            "weight_sync/buckets": 0.0,
+            "weight_sync/direct_copy_s": sum(s.seconds for s in done),
+        }
+
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """Everything a resume needs except the replay buffer (the driver adds it)."""

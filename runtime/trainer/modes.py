@@ -50,16 +50,30 @@ class _Base:
         """New version to every engine; nothing may be in flight (callers abort or drain first)."""
         t0 = time.perf_counter()
         version = self.tr.version + 1
-        buckets = self.tr.weight_buckets(version)
-        for e in self.engines:
-            e.update_weights(buckets, version)
+        if self._direct_full_sync():
+            # Same process, full sync: copy the trainer's tensors straight in (validated, grouped);
+            # packing and checksumming buckets would only add passes over memory.
+            params = list(self.tr.actor.full_named_parameters())
+            for e in self.engines:
+                e.load_weights(params, version)
+            st = self.tr.direct_sync_stats([getattr(e, "last_load_stats", None) for e in self.engines])
+        else:
+            buckets = self.tr.weight_buckets(version)
+            for e in self.engines:
+                e.update_weights(buckets, version)
+            st = self.tr.sync_stats()
         self.tr.version = version
         dt = time.perf_counter() - t0
         timing["update_weights"] = dt
-        st = self.tr.sync_stats()
         if dt > 0 and "weight_sync/payload_mb" in st:
             st["weight_sync/mb_per_s"] = st["weight_sync/payload_mb"] * len(self.engines) / dt
         return st
+
+    def _direct_full_sync(self) -> bool:
+        """Full sync and every engine lives in this process with ``direct_weights``."""
+        return self.tr.spec.weight_sync.method == "full" and all(
+            getattr(getattr(e, "capabilities", None), "direct_weights", False) for e in self.engines
+        )
 
     def evaluate(self) -> dict[str, float]:
         """Greedy mean reward on the validation prompts (one sample each) under the served weights."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -230,3 +231,62 @@ def test_delta_buckets_make_engine_weights_bit_identical(engine: HFEngine, tiny_
         assert all(torch.equal(before[k], v) for k, v in engine.model.state_dict().items())
     finally:
         engine.load_weights(original.items(), version=14)
+
+
+def test_fused_weights_are_views_so_a_weight_update_needs_no_recopy() -> None:
+    model = _tiny_qwen2_for_fused_test()
+    with HFEngine(model=model, num_slots=2, max_seq_len=32) as eng:
+        dec = eng.decoder
+        layer = dec.layers[0]
+        qkv, _, gu = dec._fused[0]
+        assert layer.self_attn.q_proj.weight.data_ptr() == qkv.data_ptr()
+        assert layer.mlp.up_proj.weight.data_ptr() == gu[layer.mlp.gate_proj.weight.shape[0] :].data_ptr()
+        new = {k: v + 0.01 for k, v in model.state_dict().items()}
+        eng.load_weights(new.items(), version=1)
+        nq = layer.self_attn.q_proj.weight.shape[0]
+        nk = layer.self_attn.k_proj.weight.shape[0]
+        assert torch.equal(qkv[nq : nq + nk], new["model.layers.0.self_attn.k_proj.weight"])
+        assert eng.last_load_stats is not None and eng.last_load_stats.version == 1
+        # a weight replaced by a new tensor (not written in place) is copied back into the fused storage
+        replacement = torch.randn_like(layer.self_attn.v_proj.weight)
+        layer.self_attn.v_proj.weight.data = replacement.clone()
+        dec.refresh_fused()
+        assert torch.equal(qkv[nq + nk :], replacement)
+        assert layer.self_attn.v_proj.weight.data_ptr() == qkv[nq + nk :].data_ptr()
+
+
+def test_compile_step_auto_is_eager_on_cpu_and_bad_values_are_refused() -> None:
+    with HFEngine(model=_tiny_qwen2_for_fused_test(), num_slots=2, max_seq_len=32) as eng:
+        assert eng.decoder.compiled is False and eng.decoder.compile_error is None
+    with pytest.raises(ValueError, match="compile_step must be True, False or 'auto'"):
+        HFEngine(model=_tiny_qwen2_for_fused_test(), num_slots=2, max_seq_len=32, compile_step="yes")
+
+
+def test_a_failing_compile_falls_back_to_eager_with_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fault injection: torch.compile raising (as inductor does without a compiler) is simulated."""
+    from rlkube.runtime.rollout.base import RolloutRequest, SamplingParams
+
+    def broken_compile(fn: Any, **_: Any) -> Any:
+        def run(*a: Any, **k: Any) -> Any:
+            raise RuntimeError("inductor: no C++ compiler")
+
+        return run
+
+    req = [RolloutRequest("r", [1, 2, 3], SamplingParams(n=2, max_tokens=6, temperature=1.0, seed=5))]
+    with HFEngine(model=_tiny_qwen2_for_fused_test(), num_slots=2, max_seq_len=32) as eager:
+        want = sorted(tuple(c.token_ids) for c in eager.generate(req))
+    monkeypatch.setattr(torch, "compile", broken_compile)
+    with HFEngine(model=_tiny_qwen2_for_fused_test(), num_slots=2, max_seq_len=32, compile_step=True) as eng:
+        got = sorted(tuple(c.token_ids) for c in eng.generate(req))
+        assert eng.decoder.compiled is False
+        assert eng.decoder.compile_error is not None and "no C++ compiler" in eng.decoder.compile_error
+    assert got == want
+
+
+def _tiny_qwen2_for_fused_test() -> Any:
+    from transformers import AutoModelForCausalLM
+
+    from rlkube.runtime.models.tiny import tiny_qwen2_config
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(tiny_qwen2_config(40, hidden_size=64, num_heads=1)).eval()
