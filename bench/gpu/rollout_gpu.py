@@ -118,6 +118,7 @@ def run_engine(
     args: argparse.Namespace,
     dev: torch.device,
     cuda_graphs: bool | None,
+    compile_step: bool | str = "auto",
 ) -> dict[str, Any]:
     n_seq = len(prompts) * args.samples
     engine = HFEngine(
@@ -126,7 +127,7 @@ def run_engine(
         max_seq_len=args.prompt_len + args.new_tokens + 1,
         sync_every=args.sync_every,
         cuda_graphs=cuda_graphs,
-        compile_step=args.compile,
+        compile_step=compile_step,
     )
     try:
         params = SamplingParams(
@@ -155,6 +156,9 @@ def run_engine(
             "warmup_seconds": warm_s,
             "peak_memory_gib": peak_gib(dev),
             "cuda_graphs": engine.decoder.use_graphs,
+            "compile_step": compile_step,
+            "compiled": engine.decoder.compiled,
+            "compile_error": (engine.decoder.compile_error or "")[-3000:] or None,
             "graphs_captured": len(engine.decoder._graphs),
             "sync_every": engine.sync_every,
             "logprob_max_abs_err_vs_teacher_forced": max(errs),
@@ -199,11 +203,19 @@ def bench_size(
     res: dict[str, Any] = {"size": "tiny" if args.smoke else size, "dtype": str(dtype), **mb}
     res["bound_tokens_per_s_rw"] = bound(mb, batch, args.prompt_len, args.new_tokens, bw["rw_GBps"])
     res["bound_tokens_per_s_copy"] = bound(mb, batch, args.prompt_len, args.new_tokens, bw["copy_GBps"])
+    # "hf_engine" is what a user gets (compile_step="auto": compiled on CUDA, eager fallback);
+    # "hf_engine_eager" is the same engine without torch.compile, measured in the same run.
+    modes = {"on": True, "off": False, "auto": "auto", "both": "auto"}
     try:
-        res["hf_engine"] = run_engine(model, prompts, args, dev, cuda_graphs=None)
+        res["hf_engine"] = run_engine(model, prompts, args, dev, None, modes[args.compile])
     except Exception as exc:  # keep the run useful: report, then try without graphs
         res["hf_engine_error"] = "".join(traceback.format_exception_only(exc)).strip()
-        res["hf_engine"] = run_engine(model, prompts, args, dev, cuda_graphs=False)
+        res["hf_engine"] = run_engine(model, prompts, args, dev, cuda_graphs=False, compile_step=False)
+    if args.compile == "both" and res["hf_engine"]["compiled"]:
+        res["hf_engine_eager"] = run_engine(model, prompts, args, dev, None, False)
+        res["compiled_speedup_vs_eager"] = (
+            res["hf_engine"]["tokens_per_s"] / res["hf_engine_eager"]["tokens_per_s"]
+        )
     if not args.skip_generate:
         res["generate"] = run_generate(model, prompts, args, dev)
         res["speedup_vs_generate"] = res["hf_engine"]["tokens_per_s"] / res["generate"]["tokens_per_s"]
@@ -229,7 +241,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--sync-every", type=int, default=None)
     ap.add_argument(
-        "--compile", action="store_true", help="torch.compile the decode step before graph capture"
+        "--compile",
+        choices=["auto", "on", "off", "both"],
+        default="both",
+        help="decode-step torch.compile: auto/on/off, or both (auto, then eager for comparison)",
     )
     ap.add_argument("--skip-generate", action="store_true")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (or GPU), seconds")

@@ -139,7 +139,8 @@ class StaticDecoder:
         self._compiled_ok: set[int] = set()  # KV buckets whose compiled step has run once
         self._step_fn: Callable[[int], None] = self._decode_step
         if self.compiled:
-            self._step_fn = torch.compile(self._decode_step)  # kv_len goes dynamic after 2 buckets
+            # dynamic: one compile serves every KV bucket (kv_len is a symbolic size)
+            self._step_fn = torch.compile(self._decode_step, dynamic=True)
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
 

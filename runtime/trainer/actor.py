@@ -121,7 +121,11 @@ def shard_fsdp2(model: nn.Module, device: torch.device, bf16: bool) -> nn.Module
 
 def micro_batches(batch: Batch, size: int) -> Iterator[Batch]:
     for start in range(0, batch.size, size):
-        yield batch.select(list(range(start, min(start + size, batch.size))))
+        yield batch.rows(start, min(start + size, batch.size))
+
+
+def _accumulate(acc: dict[str, Tensor], key: str, value: Tensor) -> None:
+    acc[key] = acc[key] + value if key in acc else value
 
 
 class _Worker:
@@ -240,6 +244,7 @@ class PolicyWorker(_Worker):
                 lr=self.optim_cfg.lr,
                 betas=self.optim_cfg.betas,
                 weight_decay=self.optim_cfg.weight_decay,
+                fused=self.device.type == "cuda",  # one kernel per step instead of a foreach chain
             )
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.optim_cfg))
         else:
@@ -298,7 +303,7 @@ class PolicyWorker(_Worker):
                 count += 1
         self.model.eval()
         if kept is not None:
-            self.last_update_logp = torch.cat(kept)
+            self.last_update_logp = torch.cat(kept).cpu()
         return {k: v / max(count, 1) for k, v in sums.items()}
 
     def _global_counts(self, mini: Batch) -> tuple[float, int]:
@@ -319,10 +324,15 @@ class PolicyWorker(_Worker):
         assert self.optimizer is not None
         self.optimizer.zero_grad(set_to_none=True)
         g_tokens, g_seqs = self._global_counts(mini)
-        acc: dict[str, float] = {}
-        n_tok = max(float(mini.response_mask.sum().item()), 1.0)
-        for mb in micro_batches(mini, self.micro_batch_size):
-            mb = mb.to(self.device)
+        # Token share of each micro-batch (for metrics), from the host copy of the mask; the
+        # mini-batch then moves to the device once and metrics stay on it until the end: no host
+        # sync per micro-batch, so kernel launches keep running ahead of the GPU.
+        n_tok = max(float(mini.response_mask.sum()), 1.0)
+        weights = [float(mb.response_mask.sum()) / n_tok for mb in micro_batches(mini, self.micro_batch_size)]
+        mini = mini.to(self.device)
+        acc: dict[str, Tensor] = {}
+        ratio_max: Tensor | None = None
+        for weight, mb in zip(weights, micro_batches(mini, self.micro_batch_size), strict=True):
             with self.autocast():
                 logits = response_logits(self.model, mb, cfg.temperature)
             logp = logprobs_from_logits(logits, mb.responses)
@@ -331,7 +341,7 @@ class PolicyWorker(_Worker):
             if old_logp is None:  # one epoch x one mini-batch: pi_old is these weights (ratio == 1)
                 old_logp = logp.detach()
                 if kept is not None:
-                    kept.append(old_logp.float().cpu())
+                    kept.append(old_logp.float())
             pg, m = ppo_policy_loss(
                 logp,
                 old_logp,
@@ -345,7 +355,6 @@ class PolicyWorker(_Worker):
                 global_seqs=g_seqs,
             )
             loss = pg
-            weight = float(mask.sum().item()) / n_tok  # token share of this micro-batch, for metrics
             if cfg.entropy_coeff > 0:
                 ent = entropy_from_logits(logits)
                 ent_val = masked_mean(ent.detach(), mask)
@@ -354,33 +363,32 @@ class PolicyWorker(_Worker):
             else:  # metric only: no autograd graph over the [b, T, V] float32 temporaries
                 with torch.no_grad():
                     ent_val = masked_mean(entropy_from_logits(logits.detach()), mask)
+            weighted: dict[str, Tensor] = {
+                "actor/entropy": ent_val,
+                "actor/clip_frac": m.clip_frac,
+                "actor/clip_frac_upper": m.clip_frac_upper,
+                "actor/clip_frac_lower": m.clip_frac_lower,
+                "actor/dual_clip_frac": m.dual_clip_frac,
+                "actor/approx_kl": m.approx_kl,
+            }
             if cfg.use_kl_loss and "ref_logp" in mb.extras:
                 kl = kl_penalty(logp, mb.extras["ref_logp"], cfg.kl_loss_type)
                 kl_loss = aggregate_loss(kl, mask, cfg.agg_mode, global_tokens=g_tokens, global_seqs=g_seqs)
                 loss = loss + cfg.kl_loss_coef * kl_loss
-                acc["actor/kl_loss"] = (
-                    acc.get("actor/kl_loss", 0.0) + float(masked_mean(kl.detach(), mask)) * weight
-                )
+                weighted["actor/kl_loss"] = masked_mean(kl.detach(), mask)
             loss.backward()
-            for k, v in (
-                ("actor/pg_loss", float(pg.detach())),
-                ("actor/entropy", float(ent_val)),
-                ("actor/clip_frac", float(m.clip_frac)),
-                ("actor/clip_frac_upper", float(m.clip_frac_upper)),
-                ("actor/clip_frac_lower", float(m.clip_frac_lower)),
-                ("actor/dual_clip_frac", float(m.dual_clip_frac)),
-                ("actor/approx_kl", float(m.approx_kl)),
-                ("actor/ratio_max", float(m.ratio_max)),
-            ):
-                if k == "actor/pg_loss":
-                    acc[k] = acc.get(k, 0.0) + v  # micro losses already sum to the mini-batch loss
-                elif k == "actor/ratio_max":
-                    acc[k] = max(acc.get(k, 0.0), v)
-                else:
-                    acc[k] = acc.get(k, 0.0) + v * weight
-        acc["actor/grad_norm"] = self._clip_and_step()
-        acc["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
-        return acc
+            # micro losses already sum to the mini-batch loss; the rest are token-weighted means
+            _accumulate(acc, "actor/pg_loss", pg.detach().float())
+            for k, v in weighted.items():
+                _accumulate(acc, k, v.detach().float() * weight)
+            r = m.ratio_max.detach().float()
+            ratio_max = r if ratio_max is None else torch.maximum(ratio_max, r)
+        if ratio_max is not None:
+            acc["actor/ratio_max"] = ratio_max
+        out = dict(zip(acc, torch.stack([v.reshape(()) for v in acc.values()]).tolist(), strict=True))
+        out["actor/grad_norm"] = self._clip_and_step()
+        out["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
+        return out
 
     def _clip_and_step(self) -> float:
         assert self.optimizer is not None
