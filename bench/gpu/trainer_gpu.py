@@ -362,6 +362,8 @@ def main() -> int:
             if "e2e_completion_tokens_per_s" in r and "e2e_completion_tokens_per_s" in t:
                 entry["speedup_vs_trl"] = r["e2e_completion_tokens_per_s"] / t["e2e_completion_tokens_per_s"]
         out["results"].append(entry)
+        if os.environ.get("OUT"):  # after every size, so a run cut short still leaves its results
+            Path(os.environ["OUT"], "trainer-gpu.json").write_text(json.dumps(out, indent=2))
         if device.type == "cuda":
             torch.cuda.empty_cache()
     text = json.dumps(out, indent=2)

@@ -297,7 +297,7 @@ class StaticDecoder:
             )
         logits = self._logits(x[:, 0])
         u = counter_uniform(s.key, s.n_gen)
-        tok, lp = self.sample(logits, s.temperature, s.top_p, u, self.any_top_p)
+        tok, lp = _eager_sample(self, logits, s.temperature, s.top_p, u)
         run = s.running
         col = s.n_gen.clamp(max=self.T)
         s.out_tok[self._rows, col] = torch.where(run, tok, s.out_tok[self._rows, col])
@@ -376,6 +376,15 @@ class StaticDecoder:
     def drop_graphs(self) -> None:
         """Forget captured graphs (e.g. after the cache or weights were reallocated)."""
         self._graphs.clear()
+
+
+@torch.compiler.disable
+def _eager_sample(
+    dec: StaticDecoder, logits: torch.Tensor, temp: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sampling stays out of torch.compile: inductor (torch 2.11, CUDA) cannot yet generate the
+    vocabulary-wide cumsum fused with its reductions ("NYI TritonSplitDimKernel reductions")."""
+    return dec.sample(logits, temp, top_p, u, dec.any_top_p)
 
 
 def _bind_views(fused: torch.Tensor, params: list[Any]) -> None:
