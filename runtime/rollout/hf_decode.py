@@ -10,9 +10,9 @@ and norm weights). q/k/v and gate/up are fused once: the fused tensor becomes th
 HF modules' weights become views into it, so a weight update written into the HF parameters lands
 in the fused weights too (no re-copy, no second copy in memory) and captured graphs stay valid.
 
-``compile_step="auto"`` compiles the decode step with torch.compile on CUDA (inductor fuses the
-RoPE, residual, SiLU and sampling elementwise chains the graph would otherwise launch one kernel
-each) and falls back to the eager step, recording why, if compilation fails.
+``compile_step="auto"`` compiles the per-layer decode function with torch.compile on CUDA
+(inductor fuses the norm, RoPE and SiLU chains the graph would otherwise launch one kernel each;
+one compile serves every layer) and falls back to eager, recording why, if compilation fails.
 
 Sampling is batched and counter-based: each slot has a 32-bit key (from the request seed) and the
 uniform for its ``i``-th token is a hash of (key, i), so a seeded sample is reproducible whatever
@@ -141,9 +141,11 @@ class StaticDecoder:
         self.compile_error: str | None = None  # traceback of a failed compile (then eager)
         self._compiled_ok: set[int] = set()  # KV buckets whose compiled step has run once
         self._step_fn: Callable[[int], None] = self._decode_step
+        # Only the per-layer function is compiled (sampling stays eager: inductor on CUDA cannot
+        # yet fuse the vocabulary-wide cumsum with its reductions, "NYI TritonSplitDimKernel").
+        self._layer_fn: Callable[..., torch.Tensor] = decode_layer
         if self.compiled:
-            # dynamic: one compile serves every KV bucket (kv_len is a symbolic size)
-            self._step_fn = torch.compile(self._decode_step, dynamic=True)
+            self._layer_fn = torch.compile(decode_layer)  # the KV length goes dynamic at bucket 2
         self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
 
@@ -185,12 +187,7 @@ class StaticDecoder:
 
     @staticmethod
     def _add_linear(x: torch.Tensor, h: torch.Tensor, linear: Any) -> torch.Tensor:
-        """``x + linear(h)`` as one GEMM with the residual as its C operand (bias-free projections)."""
-        if linear.bias is not None:
-            return x + linear(h)
-        shape = x.shape
-        out = torch.addmm(x.reshape(-1, shape[-1]), h.reshape(-1, h.shape[-1]), linear.weight.t())
-        return out.view(shape)
+        return _residual_linear(x, h, linear.weight, linear.bias)
 
     def _qkv(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         w, b, _ = self._fused[i]
@@ -269,35 +266,35 @@ class StaticDecoder:
     # ---- decode ----------------------------------------------------------------------------
     def _decode_step(self, kv_len: int) -> None:
         """One token for every running slot; attends over the first ``kv_len`` cache positions."""
-        s, D, B = self.state, self.head_dim, self.B
+        s, D = self.state, self.head_dim
         pos = s.pos.clamp(max=kv_len - 1)
         x = self.inner.embed_tokens(s.cur_tok)[:, None]  # [B, 1, H]
         cos2, sin2 = self.cos[pos][:, None], self.sin[pos][:, None]  # [B,1,D]
-        nqk = self.n_heads + self.n_kv
         # Additive mask built once per step (a bool mask would be converted in every layer).
         visible = torch.arange(kv_len, device=self.device)[None] <= pos[:, None]
         mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
         mask = mask.masked_fill(~visible, float("-inf"))[:, None, None]
         for i, layer in enumerate(self.layers):
-            h = self._rms(x, layer.input_layernorm)
-            w, b, _ = self._fused[i]
-            qkv = F.linear(h[:, 0], w, b)  # [B, (H + 2 Hkv) D]
-            # One RoPE over q and k together (they are adjacent in the fused output): fewer kernels.
-            qk = self._rope(qkv[:, : nqk * D].view(B, nqk, D), cos2, sin2)
-            q = qk[:, : self.n_heads].view(B, self.n_kv, self.group, D)  # GQA: group as queries
-            k = qk[:, self.n_heads :].view(B, self.n_kv, 1, D)
-            v = qkv[:, nqk * D :].view(B, self.n_kv, 1, D)
-            kc, vc = self.k_cache[i], self.v_cache[i]
-            kc[self._rows, :, pos] = k[:, :, 0]
-            vc[self._rows, :, pos] = v[:, :, 0]
-            att = F.scaled_dot_product_attention(q, kc[:, :, :kv_len], vc[:, :, :kv_len], attn_mask=mask)
-            x = self._add_linear(x, att.reshape(B, 1, self.n_heads * D), layer.self_attn.o_proj)
-            x = self._add_linear(
-                x, self._mlp(i, self._rms(x, layer.post_attention_layernorm)), layer.mlp.down_proj
+            w, b, gu = self._fused[i]
+            a, m = layer.self_attn, layer.mlp
+            x = self._layer_fn(
+                x,
+                cos2,
+                sin2,
+                mask,
+                self._rows,
+                pos,
+                self.k_cache[i],  # whole caches (graph inputs mutated in place), read up to kv_len
+                self.v_cache[i],
+                kv_len,
+                (w, b, a.o_proj.weight, a.o_proj.bias, gu, m.down_proj.weight, m.down_proj.bias),
+                (layer.input_layernorm.weight, layer.post_attention_layernorm.weight),
+                float(layer.input_layernorm.variance_epsilon),
+                (self.n_heads, self.n_kv, D),
             )
         logits = self._logits(x[:, 0])
         u = counter_uniform(s.key, s.n_gen)
-        tok, lp = _eager_sample(self, logits, s.temperature, s.top_p, u)
+        tok, lp = self.sample(logits, s.temperature, s.top_p, u, self.any_top_p)
         run = s.running
         col = s.n_gen.clamp(max=self.T)
         s.out_tok[self._rows, col] = torch.where(run, tok, s.out_tok[self._rows, col])
@@ -346,7 +343,7 @@ class StaticDecoder:
             for k, v in snap.items():
                 getattr(self.state, k).copy_(v)
             self.compiled = False
-            self._step_fn = self._decode_step
+            self._layer_fn = decode_layer
             self._graphs.clear()
             return run()
 
@@ -378,13 +375,56 @@ class StaticDecoder:
         self._graphs.clear()
 
 
-@torch.compiler.disable
-def _eager_sample(
-    dec: StaticDecoder, logits: torch.Tensor, temp: torch.Tensor, top_p: torch.Tensor, u: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sampling stays out of torch.compile: inductor (torch 2.11, CUDA) cannot yet generate the
-    vocabulary-wide cumsum fused with its reductions ("NYI TritonSplitDimKernel reductions")."""
-    return dec.sample(logits, temp, top_p, u, dec.any_top_p)
+def decode_layer(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    mask: torch.Tensor,
+    rows: torch.Tensor,
+    pos: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    kv_len: int,
+    weights: tuple[Any, ...],
+    norms: tuple[torch.Tensor, torch.Tensor],
+    eps: float,
+    dims: tuple[int, int, int],
+) -> torch.Tensor:
+    """One decoder layer for one new token per slot: ``x`` [B, 1, H] -> [B, 1, H]; writes the KV.
+
+    A pure function of its tensors (weights passed in, no module access), so one torch.compile of
+    it serves every layer: compiling the whole unrolled step instead took ~3 minutes on an H200
+    host for a 24-layer model, this compiles one layer.
+    """
+    w_qkv, b_qkv, w_o, b_o, w_gu, w_down, b_down = weights
+    n_heads, n_kv, d = dims
+    bsz = x.shape[0]
+    nqk = n_heads + n_kv
+    h = F.rms_norm(x, (x.shape[-1],), norms[0], eps)
+    qkv = F.linear(h[:, 0], w_qkv, b_qkv)  # [B, (H + 2 Hkv) D]
+    # One RoPE over q and k together (adjacent in the fused output); rotate_half(x) * sin equals
+    # roll(x, D/2) * [-sin_1, sin_2].
+    qk = qkv[:, : nqk * d].view(bsz, nqk, d)
+    qk = torch.addcmul(qk * cos, qk.roll(d // 2, dims=-1), signed_sin)
+    q = qk[:, :n_heads].view(bsz, n_kv, n_heads // n_kv, d)  # GQA: the group as queries
+    k = qk[:, n_heads:].view(bsz, n_kv, 1, d)
+    v = qkv[:, nqk * d :].view(bsz, n_kv, 1, d)
+    k_cache[rows, :, pos] = k[:, :, 0]
+    v_cache[rows, :, pos] = v[:, :, 0]
+    att = F.scaled_dot_product_attention(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], attn_mask=mask)
+    x = _residual_linear(x, att.reshape(bsz, 1, n_heads * d), w_o, b_o)
+    g, u = F.linear(F.rms_norm(x, (x.shape[-1],), norms[1], eps), w_gu).chunk(2, dim=-1)
+    return _residual_linear(x, F.silu(g) * u, w_down, b_down)
+
+
+def _residual_linear(
+    x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x + h @ weight.T (+ bias)``; bias-free as one GEMM with the residual as its C operand."""
+    if bias is not None:
+        return x + F.linear(h, weight, bias)
+    shape = x.shape
+    return torch.addmm(x.reshape(-1, shape[-1]), h.reshape(-1, h.shape[-1]), weight.t()).view(shape)
 
 
 def _bind_views(fused: torch.Tensor, params: list[Any]) -> None:
