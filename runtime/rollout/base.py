@@ -13,6 +13,7 @@ temperature-scaled distribution rescales both sides the same way.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
@@ -196,6 +197,71 @@ def sample_seed(params: SamplingParams, sample_index: int, offset: int = 0) -> i
 def continuation_params(partial: Completion) -> SamplingParams:
     """Sampling params for the rest of a partial: one sample, the remaining token budget."""
     return replace(partial.params, n=1, max_tokens=partial.remaining_tokens)
+
+
+def check_resumable(partials: Iterable[Completion]) -> list[Completion]:
+    """The partials, after checking each was aborted (only those can continue)."""
+    out = list(partials)
+    for c in out:
+        if c.finish_reason != "abort":
+            raise ValueError(f"{c.key}: only aborted completions can be resumed ({c.finish_reason})")
+    return out
+
+
+def in_request_order(
+    completions: Iterable[Completion], requests: Sequence[RolloutRequest]
+) -> list[Completion]:
+    """Completions sorted as ``generate`` returns them: by request position, then sample index."""
+    order = {r.request_id: i for i, r in enumerate(requests)}
+    return sorted(completions, key=lambda c: (order[c.request_id], c.sample_index))
+
+
+class ThreadedEngine:
+    """What the engines driven by a background thread share: the finished queue, ``poll``,
+    the blocking ``generate`` on top of ``submit`` and the failure hand-off from the thread.
+
+    Subclasses set ``_name``, call ``_init_queue()`` and implement ``submit`` and
+    ``_in_flight_locked(ids)`` (called holding ``_cv``: are samples of ``ids`` still running?).
+    """
+
+    _name = "rollout"
+
+    def _init_queue(self) -> None:
+        self._cv = threading.Condition()
+        self._finished: list[Completion] = []
+        self._error: BaseException | None = None
+
+    def submit(self, requests: Sequence[RolloutRequest]) -> None:
+        raise NotImplementedError
+
+    def _in_flight_locked(self, ids: set[str]) -> bool:
+        raise NotImplementedError
+
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise RuntimeError(f"{self._name} rollout loop failed") from self._error
+
+    def poll(self) -> list[Completion]:
+        """Completions finished since the last call (never blocks)."""
+        with self._cv:
+            self._raise_if_failed()
+            out, self._finished = self._finished, []
+            return out
+
+    def generate(self, requests: Sequence[RolloutRequest]) -> list[Completion]:
+        """Blocking batch call: completions in request order, samples in index order."""
+        ids = {r.request_id for r in requests}
+        want = sum(r.params.n for r in requests)
+        self.submit(requests)
+        with self._cv:
+            while True:
+                self._raise_if_failed()
+                mine = [c for c in self._finished if c.request_id in ids]
+                if len(mine) >= want or not self._in_flight_locked(ids):
+                    self._finished = [c for c in self._finished if c.request_id not in ids]
+                    break
+                self._cv.wait(timeout=1.0)
+        return in_request_order(mine, requests)
 
 
 def sort_completions(completions: Iterable[Completion]) -> list[Completion]:

@@ -25,8 +25,10 @@ from rlkube.runtime.rollout.base import (
     EngineCapabilities,
     RolloutRequest,
     SamplingParams,
+    ThreadedEngine,
     UnsupportedCapability,
     check_base_version,
+    check_resumable,
     continuation_params,
     expand_samples,
     sample_seed,
@@ -86,8 +88,10 @@ class _ParamView(MutableMapping[str, torch.Tensor]):
         return len(self._t)
 
 
-class HFEngine:
+class HFEngine(ThreadedEngine):
     """Batched static-cache decoding of an HF causal LM (Qwen2/Llama family)."""
+
+    _name = "hf"
 
     def __init__(
         self,
@@ -129,14 +133,12 @@ class HFEngine:
         self._version = version
         self.last_load_stats: DirectCopyStats | None = None
         self._rng = torch.Generator().manual_seed(seed)
-        self._cv = threading.Condition()
+        self._init_queue()
         self._waiting: deque[_Work] = deque()
         self._slots: list[_Work | None] = [None] * num_slots
-        self._finished: list[Completion] = []
         self._pause = 0  # callers waiting for the loop to stop at a sync point
         self._busy = False  # the loop is inside a chunk (touching the decoder)
         self._closed = False
-        self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="hf-rollout", daemon=True)
         self._thread.start()
 
@@ -191,42 +193,15 @@ class HFEngine:
     def resume(self, partials: Sequence[Completion]) -> None:
         """Continue aborted samples under the current weights (their tokens become prompt)."""
         items = []
-        for c in partials:
-            if c.finish_reason != "abort":
-                raise ValueError(f"{c.key}: only aborted completions can be resumed ({c.finish_reason})")
+        for c in check_resumable(partials):
             seg = continuation_params(c)
             key = _key_for(c.params, c.sample_index, len(c.token_ids), self._rng)
             items.append(_Work(c, [*c.prompt_ids, *c.token_ids], seg, key))
         self._enqueue(items)
 
-    def poll(self) -> list[Completion]:
-        """Completions finished since the last call (never blocks)."""
-        with self._cv:
-            self._raise_if_failed()
-            out, self._finished = self._finished, []
-            return out
-
     def num_in_flight(self) -> int:
         with self._cv:
             return len(self._waiting) + sum(w is not None for w in self._slots)
-
-    def generate(self, requests: Sequence[RolloutRequest]) -> list[Completion]:
-        """Blocking batch call: completions in request order, samples in index order."""
-        ids = {r.request_id for r in requests}
-        want = sum(r.params.n for r in requests)
-        self.submit(requests)
-        got: list[Completion] = []
-        with self._cv:
-            while True:
-                self._raise_if_failed()
-                mine = [c for c in self._finished if c.request_id in ids]
-                if len(mine) + len(got) >= want or (not mine and not self._has_work_locked()):
-                    got.extend(mine)
-                    self._finished = [c for c in self._finished if c.request_id not in ids]
-                    break
-                self._cv.wait(timeout=1.0)
-        order = {r.request_id: i for i, r in enumerate(requests)}
-        return sorted(got, key=lambda c: (order[c.request_id], c.sample_index))
 
     def abort_all(self) -> list[Completion]:
         """Stop everything in flight; return the partial samples (finish_reason "abort")."""
@@ -317,9 +292,8 @@ class HFEngine:
     def _has_work_locked(self) -> bool:
         return bool(self._waiting) or any(w is not None for w in self._slots)
 
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise RuntimeError("hf rollout loop failed") from self._error
+    def _in_flight_locked(self, ids: set[str]) -> bool:
+        return self._has_work_locked()
 
     def _require_idle(self) -> None:
         if any(w is not None for w in self._slots):

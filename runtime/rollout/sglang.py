@@ -31,8 +31,10 @@ from rlkube.runtime.rollout.base import (
     RolloutRequest,
     SamplingParams,
     UnsupportedCapability,
+    check_resumable,
     continuation_params,
     expand_samples,
+    in_request_order,
     sample_seed,
 )
 
@@ -166,9 +168,7 @@ class SGLangEngine:
             self._start(c, list(c.prompt_ids), SamplingParams(**{**vars(p), "n": 1}), 0)
 
     def resume(self, partials: Sequence[Completion]) -> None:
-        for c in partials:
-            if c.finish_reason != "abort":
-                raise ValueError(f"{c.key}: only aborted completions can be resumed ({c.finish_reason})")
+        for c in check_resumable(partials):
             self._start(c, [*c.prompt_ids, *c.token_ids], continuation_params(c), len(c.token_ids))
 
     def _start(self, c: Completion, prefix: list[int], seg: SamplingParams, offset: int) -> None:
@@ -238,8 +238,7 @@ class SGLangEngine:
                 raise SGLangError("a /generate call failed") from self._errors.pop(0)
             mine = [c for c in self._finished if c.request_id in ids]
             self._finished = [c for c in self._finished if c.request_id not in ids]
-        order = {r.request_id: i for i, r in enumerate(requests)}
-        return sorted(mine, key=lambda c: (order[c.request_id], c.sample_index))
+        return in_request_order(mine, requests)
 
     def abort_all(self) -> list[Completion]:
         """POST /abort_request for every rid in flight; SGLang returns each with its partial output."""

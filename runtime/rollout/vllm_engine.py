@@ -26,8 +26,10 @@ from rlkube.runtime.rollout.base import (
     EngineCapabilities,
     RolloutRequest,
     SamplingParams,
+    ThreadedEngine,
     UnsupportedCapability,
     check_base_version,
+    check_resumable,
     continuation_params,
     expand_samples,
     sample_seed,
@@ -44,8 +46,10 @@ class _Live:
     n_new: int = 0
 
 
-class VLLMEngine:
+class VLLMEngine(ThreadedEngine):
     """``vllm.LLM`` with token-id prompts, async submit/poll/abort and RL weight loading."""
+
+    _name = "vllm"
 
     def __init__(
         self,
@@ -90,13 +94,11 @@ class VLLMEngine:
         self.max_model_len = max_model_len
         self._version = version
         self._lock = threading.RLock()  # every call into the engine
-        self._cv = threading.Condition()
+        self._init_queue()
         self._live: dict[str, _Live] = {}
-        self._finished: list[Completion] = []
         self._counter = 0
         self._closed = False
         self._sleeping = False
-        self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="vllm-rollout", daemon=True)
         self._thread.start()
 
@@ -140,40 +142,13 @@ class VLLMEngine:
 
     def resume(self, partials: Sequence[Completion]) -> None:
         items = []
-        for c in partials:
-            if c.finish_reason != "abort":
-                raise ValueError(f"{c.key}: only aborted completions can be resumed ({c.finish_reason})")
+        for c in check_resumable(partials):
             items.append((c, [*c.prompt_ids, *c.token_ids], continuation_params(c), len(c.token_ids)))
         self._add(items)
-
-    def poll(self) -> list[Completion]:
-        with self._cv:
-            self._raise_if_failed()
-            out, self._finished = self._finished, []
-            return out
 
     def num_in_flight(self) -> int:
         with self._cv:
             return len(self._live)
-
-    def generate(self, requests: Sequence[RolloutRequest]) -> list[Completion]:
-        ids = {r.request_id for r in requests}
-        want = sum(r.params.n for r in requests)
-        self.submit(requests)
-        got: list[Completion] = []
-        with self._cv:
-            while True:
-                self._raise_if_failed()
-                mine = [c for c in self._finished if c.request_id in ids]
-                if len(mine) >= want or (
-                    not any(lv.completion.request_id in ids for lv in self._live.values())
-                ):
-                    got = mine
-                    self._finished = [c for c in self._finished if c.request_id not in ids]
-                    break
-                self._cv.wait(timeout=1.0)
-        order = {r.request_id: i for i, r in enumerate(requests)}
-        return sorted(got, key=lambda c: (order[c.request_id], c.sample_index))
 
     def abort_all(self) -> list[Completion]:
         with self._lock, self._cv:
@@ -249,9 +224,8 @@ class VLLMEngine:
         if self.num_in_flight():
             raise RuntimeError("samples in flight: abort_all() (and resume later) before updating weights")
 
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise RuntimeError("vllm rollout loop failed") from self._error
+    def _in_flight_locked(self, ids: set[str]) -> bool:
+        return any(lv.completion.request_id in ids for lv in self._live.values())
 
     def _vllm_params(self, p: SamplingParams, sample_index: int, offset: int) -> Any:
         from vllm import SamplingParams as VSP
