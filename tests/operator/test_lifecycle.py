@@ -374,7 +374,9 @@ def test_child_deleted_by_hand_is_recreated(
     wait_for(cond_is(kubectl, ns, "heal", "ClusterReady", "True"), 90, describe(kubectl, ns, "heal"))
     for kind, name in (("configmap", "heal-config"), ("role", "heal-runtime"), ("rayjob", "heal")):
         uid = kubectl.json("-n", ns, "get", kind, name)["metadata"]["uid"]
-        kubectl("-n", ns, "delete", kind, name, "--wait=true", timeout=60)
+        # No --wait: the operator may recreate the child (same name, new uid) before kubectl's wait
+        # for deletion sees it gone, and kubectl then waits on the new object forever.
+        kubectl("-n", ns, "delete", kind, name, "--wait=false", timeout=60)
 
         def back(kind: str = kind, name: str = name, uid: str = uid) -> bool:
             out = kubectl("-n", ns, "get", kind, name, "-o", "json", check=False)
