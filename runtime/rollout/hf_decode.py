@@ -140,7 +140,6 @@ class StaticDecoder:
         self.compiled = dev.type == "cuda" if compile_step == "auto" else bool(compile_step)
         self.compile_error: str | None = None  # traceback of a failed compile (then eager)
         self._compiled_ok: set[int] = set()  # KV buckets whose compiled step has run once
-        self._step_fn: Callable[[int], None] = self._decode_step
         # Only the per-layer function is compiled (sampling stays eager: inductor on CUDA cannot
         # yet fuse the vocabulary-wide cumsum with its reductions, "NYI TritonSplitDimKernel").
         self._layer_fn: Callable[..., torch.Tensor] = decode_layer
@@ -328,7 +327,7 @@ class StaticDecoder:
         """Step (or capture a graph); if the compiled step fails to compile, go eager and retry."""
 
         def run() -> Any:
-            return self._capture(kv_len) if capture else self._step_fn(kv_len)
+            return self._capture(kv_len) if capture else self._decode_step(kv_len)
 
         if not self.compiled or kv_len in self._compiled_ok:
             return run()
@@ -357,7 +356,7 @@ class StaticDecoder:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._step_fn(kv_len)
+                self._decode_step(kv_len)
                 for k, v in snap.items():
                     getattr(self.state, k).copy_(v)
         torch.cuda.current_stream().wait_stream(side)
@@ -365,7 +364,7 @@ class StaticDecoder:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._step_fn(kv_len)
+            self._decode_step(kv_len)
         for k, v in snap.items():
             getattr(self.state, k).copy_(v)
         return graph
@@ -404,8 +403,7 @@ def decode_layer(
     qkv = F.linear(h[:, 0], w_qkv, b_qkv)  # [B, (H + 2 Hkv) D]
     # One RoPE over q and k together (adjacent in the fused output); rotate_half(x) * sin equals
     # roll(x, D/2) * [-sin_1, sin_2].
-    qk = qkv[:, : nqk * d].view(bsz, nqk, d)
-    qk = torch.addcmul(qk * cos, qk.roll(d // 2, dims=-1), signed_sin)
+    qk = StaticDecoder._rope(qkv[:, : nqk * d].view(bsz, nqk, d), cos, signed_sin)
     q = qk[:, :n_heads].view(bsz, n_kv, n_heads // n_kv, d)  # GQA: the group as queries
     k = qk[:, n_heads:].view(bsz, n_kv, 1, d)
     v = qkv[:, nqk * d :].view(bsz, n_kv, 1, d)
