@@ -42,6 +42,21 @@ def _warmup(modules: tuple[str, ...], exercise_math_verify: bool) -> bool:
     return True
 
 
+def _workers_of(pool: cf.ProcessPoolExecutor) -> list[multiprocessing.process.BaseProcess]:
+    return list((getattr(pool, "_processes", None) or {}).values())
+
+
+def _reap(processes: list[multiprocessing.process.BaseProcess], grace_s: float = 5.0) -> None:
+    """Join every worker; one still alive after ``grace_s`` is SIGKILLed, so none outlives the pool."""
+    deadline = time.monotonic() + grace_s
+    for proc in processes:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+    for proc in processes:
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=grace_s)
+
+
 class MathVerifyPool:
     """Runs ``verify_fn(pred, truth)`` for many pairs in spawned workers, each with its own deadline.
 
@@ -87,19 +102,20 @@ class MathVerifyPool:
         if pool is None:
             return
         # ProcessPoolExecutor has no public way to stop a running task; terminate its workers.
-        processes = list((getattr(pool, "_processes", None) or {}).values())
+        processes = _workers_of(pool)
         for proc in processes:
             proc.terminate()
         pool.shutdown(wait=False, cancel_futures=True)
-        for proc in processes:
-            proc.join(timeout=5)
+        _reap(processes)
         self.recycles += 1
 
     def close(self) -> None:
-        """Stop the workers (a later call starts a fresh pool)."""
-        if self._pool is not None:
-            self._pool.shutdown(wait=True, cancel_futures=True)
-            self._pool = None
+        """Stop the workers and wait until each has exited (a later call starts a fresh pool)."""
+        pool, self._pool = self._pool, None
+        if pool is not None:
+            processes = _workers_of(pool)
+            pool.shutdown(wait=True, cancel_futures=True)
+            _reap(processes)
 
     def map(self, pairs: list[tuple[str, str]]) -> list[tuple[bool, str | None]]:
         """``(equal, error)`` per ``(pred, truth)``; error is ``"timeout"``, ``"worker died"`` or the
