@@ -132,6 +132,10 @@ class HFEngine(ThreadedEngine):
         self.sync_every = sync_every or (8 if self.device.type == "cuda" else 4)
         self._version = version
         self.last_load_stats: DirectCopyStats | None = None
+        from rlkube.runtime.weights.direct import DirectCopier
+
+        self._copier = DirectCopier()  # keeps the validated plan while the tensors stay put
+        self._target_cache: tuple[list[tuple[torch.Tensor, int]], dict[str, torch.Tensor]] | None = None
         self._rng = torch.Generator().manual_seed(seed)
         self._init_queue()
         self._waiting: deque[_Work] = deque()
@@ -231,17 +235,16 @@ class HFEngine(ThreadedEngine):
         leaves the engine untouched), then copied in a few grouped kernels (``copy_direct``);
         ``last_load_stats`` says how long it took and how many bytes were written.
         """
-        from rlkube.runtime.weights.direct import copy_direct
-
         with self._paused():
             self._require_idle()
-            view = _ParamView(self.model)
+            targets = self._targets()
             items = list(named_tensors)
-            unknown = [n for n, _ in items if n not in view]
+            unknown = [n for n, _ in items if n not in targets]
             if unknown:
                 raise KeyError(f"unknown parameter names: {unknown[:5]}")
-            self.last_load_stats = copy_direct({n: view[n] for n in view}, items, version)
-            self._after_update(version)
+            self.last_load_stats = self._copier(targets, items, version)
+            # Written in place into the fused storage's own views: nothing to re-fuse.
+            self._version = version
 
     def update_weights(self, buckets: Iterable[Any], version: int) -> set[str]:
         """Apply checksum-verified weight buckets in place (``rlkube.runtime.weights``)."""
@@ -294,6 +297,23 @@ class HFEngine(ThreadedEngine):
 
     def _in_flight_locked(self, ids: set[str]) -> bool:
         return self._has_work_locked()
+
+    def _targets(self) -> dict[str, torch.Tensor]:
+        """HF-named weight tensors to copy into; re-read only when a parameter was re-pointed.
+
+        Walking the module tree (``state_dict``) costs more host time than a small model's copy,
+        so the parameters are read once and then only their addresses are checked.
+        """
+        cache = self._target_cache
+        if cache is not None and all(p.data_ptr() == ptr for p, ptr in cache[0]):
+            return cache[1]
+        self.decoder.refresh_fused()  # a re-pointed q/k/v or gate/up weight goes back into the fused storage
+        params = dict(self.model.state_dict(keep_vars=True))
+        self._target_cache = (
+            [(p, p.data_ptr()) for p in params.values()],
+            {n: p.detach() for n, p in params.items()},
+        )
+        return self._target_cache[1]
 
     def _require_idle(self) -> None:
         if any(w is not None for w in self._slots):

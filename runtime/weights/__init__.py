@@ -6,7 +6,8 @@
     sender.last_stats  # seconds, payload_mb, changed_ratio, buckets
 
 In one process with the engine (``capabilities.direct_weights``), a full sync skips buckets:
-``copy_direct(engine_params, model.named_parameters(), version)``.
+``copy_direct(engine_params, model.named_parameters(), version)`` (a held ``DirectCopier`` reuses
+its validated plan while both sides keep their tensors).
 
 Transport: in-process (pass the buckets), `broadcast_buckets` / `gather_buckets` over
 torch.distributed. See docs/weights.md.
@@ -21,13 +22,14 @@ from rlkube.runtime.weights.bucket import (
     payload_checksum,
     verify_checksum,
 )
-from rlkube.runtime.weights.direct import DirectCopyStats, copy_direct, plan_direct_copy
+from rlkube.runtime.weights.direct import DirectCopier, DirectCopyStats, copy_direct, plan_direct_copy
 from rlkube.runtime.weights.sender import LocalShard, SyncStats, WeightSender, is_sending_replica, local_shard
 from rlkube.runtime.weights.transport import broadcast_buckets, gather_buckets
 
 __all__ = [
     "BucketEntry",
     "BucketHeader",
+    "DirectCopier",
     "DirectCopyStats",
     "LocalShard",
     "SyncStats",

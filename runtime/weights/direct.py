@@ -31,6 +31,51 @@ class DirectCopyStats:
 
 
 CopyGroup = tuple[list[torch.Tensor], list[torch.Tensor]]
+_Fingerprint = tuple[tuple[object, ...], ...]
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """A validated copy as positions into (destination items, source items), one entry per group."""
+
+    groups: list[tuple[list[int], list[int]]]
+    nbytes: int
+    tensors: int
+    covers_all: bool
+
+
+def _validate(
+    dst_items: list[tuple[str, torch.Tensor]], src_items: list[tuple[str, torch.Tensor]], require_all: bool
+) -> _Plan:
+    index = {n: i for i, (n, _) in enumerate(dst_items)}
+    groups: dict[tuple[torch.device, torch.dtype, torch.device, torch.dtype], tuple[list[int], list[int]]]
+    groups = {}
+    seen: set[tuple[int, tuple[int, ...]]] = set()
+    covered: set[str] = set()
+    nbytes = 0
+    for j, (name, s) in enumerate(src_items):
+        i = index.get(name)
+        if i is None:
+            raise WeightSyncError(f"receiver has no parameter {name!r}")
+        d = dst_items[i][1]
+        if tuple(d.shape) != tuple(s.shape):
+            raise WeightSyncError(f"{name}: receiver holds {tuple(d.shape)}, sender has {tuple(s.shape)}")
+        if d.dtype != s.dtype and not (d.dtype.is_floating_point and s.dtype.is_floating_point):
+            raise WeightSyncError(f"{name}: cannot copy {s.dtype} into {d.dtype}")
+        covered.add(name)
+        key_ptr = (d.data_ptr(), tuple(d.shape))
+        if key_ptr in seen:  # tied weights listed under two names: written once
+            continue
+        seen.add(key_ptr)
+        g = groups.setdefault((d.device, d.dtype, s.device, s.dtype), ([], []))
+        g[0].append(i)
+        g[1].append(j)
+        nbytes += d.numel() * d.element_size()
+    missing = sorted(n for n, _ in dst_items if n not in covered)
+    if require_all and missing:
+        raise WeightSyncError(f"full sync misses {len(missing)} parameters, e.g. {missing[:3]}")
+    plan_groups = list(groups.values())
+    return _Plan(plan_groups, nbytes, sum(len(di) for di, _ in plan_groups), not missing)
 
 
 def plan_direct_copy(
@@ -46,30 +91,70 @@ def plan_direct_copy(
     reached twice (tied embeddings listed under two names) is written once. ``require_all``
     also requires every destination to be covered.
     """
-    groups: dict[tuple[torch.device, torch.dtype, torch.device, torch.dtype], CopyGroup] = {}
-    seen: set[tuple[int, tuple[int, ...]]] = set()
-    covered: set[str] = set()
-    for name, s in src:
-        d = dst.get(name)
-        if d is None:
-            raise WeightSyncError(f"receiver has no parameter {name!r}")
-        if tuple(d.shape) != tuple(s.shape):
-            raise WeightSyncError(f"{name}: receiver holds {tuple(d.shape)}, sender has {tuple(s.shape)}")
-        if d.dtype != s.dtype and not (d.dtype.is_floating_point and s.dtype.is_floating_point):
-            raise WeightSyncError(f"{name}: cannot copy {s.dtype} into {d.dtype}")
-        covered.add(name)
-        key_ptr = (d.data_ptr(), tuple(d.shape))
-        if key_ptr in seen:
-            continue
-        seen.add(key_ptr)
-        g = groups.setdefault((d.device, d.dtype, s.device, s.dtype), ([], []))
-        g[0].append(d)
-        g[1].append(s.detach())
-    if require_all:
-        missing = sorted(set(dst) - covered)
-        if missing:
-            raise WeightSyncError(f"full sync misses {len(missing)} parameters, e.g. {missing[:3]}")
-    return list(groups.values())
+    dst_items = list(dst.items())
+    src_items = [(n, t.detach()) for n, t in src]
+    plan = _validate(dst_items, src_items, require_all)
+    return [([dst_items[i][1] for i in di], [src_items[j][1] for j in sj]) for di, sj in plan.groups]
+
+
+def _receiver_key(items: list[tuple[str, torch.Tensor]]) -> _Fingerprint:
+    # What a plan depends on, receiver side: names (positions), shapes (validation), dtype and device
+    # (grouping), and addresses (tied weights are found by address).
+    return tuple((n, t.data_ptr(), t.shape, t.dtype, t.device) for n, t in items)
+
+
+def _sender_key(items: list[tuple[str, torch.Tensor]]) -> _Fingerprint:
+    # Sender side the address does not matter: the copy reads whatever tensors are passed this time.
+    return tuple((n, t.shape, t.dtype, t.device) for n, t in items)
+
+
+class DirectCopier:
+    """:func:`copy_direct` that remembers the last validated plan.
+
+    Re-syncing the same tensors into the same engine is the common case (a trainer's parameters
+    and an engine's weights both stay where they are), and there validating and grouping cost more
+    host time than a small model's copy takes on a GPU. The plan is reused while every name, shape,
+    dtype and device on both sides, and every receiver address, is unchanged; anything else
+    re-validates. It keeps positions, not tensors, so a sender whose tensors are new every sync
+    (gathered shards) keeps no memory alive here.
+    """
+
+    def __init__(self) -> None:
+        self._key: tuple[_Fingerprint, _Fingerprint] | None = None
+        self._plan: _Plan | None = None
+        self.replans = 0
+
+    def __call__(
+        self,
+        dst: Mapping[str, torch.Tensor],
+        src: Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        *,
+        require_all: bool = False,
+    ) -> DirectCopyStats:
+        """Copy ``src`` into ``dst`` in place (validated first); returns timing and bytes written."""
+        t0 = time.perf_counter()
+        dst_items = list(dst.items())
+        src_items = list(src)  # read under no_grad below: no detach needed
+        key = (_receiver_key(dst_items), _sender_key(src_items))
+        plan = self._plan
+        if plan is None or key != self._key or (require_all and not plan.covers_all):
+            self._plan = self._key = None  # a failed validation leaves no stale plan behind
+            plan = _validate(dst_items, src_items, require_all)
+            self._plan, self._key = plan, key
+            self.replans += 1
+        devices: set[torch.device] = set()
+        with torch.no_grad():
+            for di, sj in plan.groups:
+                dsts = [dst_items[i][1] for i in di]
+                torch._foreach_copy_(dsts, [src_items[j][1] for j in sj], non_blocking=True)
+                devices.add(dsts[0].device)
+            for dev in devices:
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+        return DirectCopyStats(
+            version, time.perf_counter() - t0, plan.nbytes / 1e6, plan.tensors, len(plan.groups)
+        )
 
 
 def copy_direct(
@@ -79,17 +164,8 @@ def copy_direct(
     *,
     require_all: bool = False,
 ) -> DirectCopyStats:
-    """Copy ``src`` into ``dst`` in place (validated first); returns timing and bytes written."""
-    t0 = time.perf_counter()
-    plan = plan_direct_copy(dst, src, require_all=require_all)
-    nbytes = 0
-    n = 0
-    with torch.no_grad():
-        for dsts, srcs in plan:
-            torch._foreach_copy_(dsts, srcs, non_blocking=True)
-            nbytes += sum(t.numel() * t.element_size() for t in dsts)
-            n += len(dsts)
-        for dev in {t.device for dsts, _ in plan for t in dsts}:
-            if dev.type == "cuda":
-                torch.cuda.synchronize(dev)
-    return DirectCopyStats(version, time.perf_counter() - t0, nbytes / 1e6, n, len(plan))
+    """Copy ``src`` into ``dst`` in place (validated first); returns timing and bytes written.
+
+    One-shot: validates every call. Hold a :class:`DirectCopier` to reuse the plan across syncs.
+    """
+    return DirectCopier()(dst, src, version, require_all=require_all)

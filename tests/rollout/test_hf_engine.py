@@ -253,6 +253,13 @@ def test_fused_weights_are_views_so_a_weight_update_needs_no_recopy() -> None:
         dec.refresh_fused()
         assert torch.equal(qkv[nq + nk :], replacement)
         assert layer.self_attn.v_proj.weight.data_ptr() == qkv[nq + nk :].data_ptr()
+        # ... and so is one re-pointed between two syncs: the next load_weights notices the move,
+        # re-fuses, and writes the new values where decoding reads them.
+        layer.self_attn.v_proj.weight.data = torch.zeros_like(replacement)
+        eng.load_weights(new.items(), version=2)
+        assert torch.equal(qkv[nq + nk :], new["model.layers.0.self_attn.v_proj.weight"])
+        assert layer.self_attn.v_proj.weight.data_ptr() == qkv[nq + nk :].data_ptr()
+        assert eng._copier.replans == 1  # re-fused to the same addresses: the first plan still holds
 
 
 def test_compile_step_auto_is_eager_on_cpu_and_bad_values_are_refused() -> None:

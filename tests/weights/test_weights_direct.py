@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rlkube.runtime.weights import WeightSyncError, copy_direct, plan_direct_copy
+from rlkube.runtime.weights import DirectCopier, WeightSyncError, copy_direct, plan_direct_copy
 
 
 def _pair(seed: int) -> dict[str, torch.Tensor]:
@@ -58,3 +58,48 @@ def test_tied_embeddings_are_written_once() -> None:
     assert sum(len(d) for d, _ in plan) == 2  # one copy into the shared storage, one into layer
     copy_direct(dst, items, 1)
     assert torch.equal(shared, src["embed.weight"])
+
+
+def test_a_held_copier_reuses_its_plan_only_while_both_sides_stay_put() -> None:
+    src = _pair(0)
+    dst = {k: torch.zeros_like(v) for k, v in src.items()}
+    copier = DirectCopier()
+    for version in range(3):  # the trainer's steady state: same tensors, new values
+        for v in src.values():
+            v.add_(1.0)
+        copier(dst, src.items(), version, require_all=True)
+        assert all(torch.equal(dst[k], v) for k, v in src.items())
+    assert copier.replans == 1
+
+    # A sender whose tensors are new each sync (gathered shards) but alike in name, shape and dtype
+    # keeps the plan and is still copied from; a bad one raises with the engine untouched even
+    # though a plan for good tensors of the same names is cached.
+    fresh = {k: v + 1 for k, v in src.items()}
+    copier(dst, fresh.items(), 3)
+    assert copier.replans == 1 and all(torch.equal(dst[k], v) for k, v in fresh.items())
+    before = {k: v.clone() for k, v in dst.items()}
+    for bad in ({**fresh, "layer.bias": torch.randn(9)}, {**fresh, "layer.bias": torch.zeros(8).long()}):
+        with pytest.raises(WeightSyncError, match=r"layer\.bias"):
+            copier(dst, bad.items(), 4)
+        assert all(torch.equal(dst[k], v) for k, v in before.items())
+
+    # The receiver re-allocated (an engine rebuilt its weights): re-validated against the new ones.
+    dst2 = {k: torch.zeros_like(v) for k, v in src.items()}
+    copier(dst2, fresh.items(), 5)
+    assert copier.replans == 2 and torch.equal(dst2["embed.weight"], fresh["embed.weight"])
+
+    # Tied weights that come apart in the receiver are seen (addresses are part of the key).
+    shared = torch.zeros(32, 8)
+    tied = {"embed.weight": shared, "lm_head.weight": shared}
+    items = [("embed.weight", src["embed.weight"]), ("lm_head.weight", src["embed.weight"] * 2)]
+    tcopy = DirectCopier()
+    assert tcopy(tied, items, 1).tensors == 1
+    untied = {"embed.weight": shared, "lm_head.weight": torch.zeros(32, 8)}
+    assert tcopy(untied, items, 2).tensors == 2
+    assert torch.equal(untied["lm_head.weight"], src["embed.weight"] * 2)
+
+    # A plan made without require_all is not trusted for a sync that must cover everything.
+    part = DirectCopier()
+    part(dst, [("layer.bias", src["layer.bias"])], 6)
+    with pytest.raises(WeightSyncError, match="misses 2 parameters"):
+        part(dst, [("layer.bias", src["layer.bias"])], 7, require_all=True)
