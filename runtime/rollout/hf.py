@@ -232,7 +232,8 @@ class HFEngine(ThreadedEngine):
         """Copy full (or partial) HF-named tensors into the model; nothing may be in flight.
 
         Everything is validated before anything is written (an unknown name or a wrong shape
-        leaves the engine untouched), then copied in a few grouped kernels (``copy_direct``);
+        leaves the engine untouched), then copied in a few grouped kernels by the engine's
+        ``DirectCopier``, which re-validates only when names, shapes or addresses changed;
         ``last_load_stats`` says how long it took and how many bytes were written.
         """
         with self._paused():
