@@ -27,7 +27,7 @@ $(PY): pyproject.toml .ci/python-env.sh
 venv: $(PY)
 
 cluster-build:
-	bash tests/cluster/tools/build.sh
+	bash devcluster/tools/build.sh
 
 cluster-up: venv cluster-build
 	$(DEVCLUSTER) up --nodes $(NODES) --gpus-per-node $(GPUS_PER_NODE)
@@ -41,7 +41,7 @@ crds: venv
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy runtime operator tests/cluster/devcluster
+	$(VENV)/bin/mypy api runtime operator devcluster
 
 test: venv cluster-build lint
 	$(PYTEST) -p no:cacheprovider tests

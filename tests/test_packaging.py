@@ -21,7 +21,7 @@ def test_every_python_package_folder_is_listed_for_the_wheel() -> None:
         for init in root.rglob("__init__.py"):
             owner = roots.get(init.parent)
             if owner is not None and owner != package:
-                continue  # a folder mapped to its own package (rlkube.api <- runtime/api)
+                continue  # a nested folder mapped to a package of its own
             found.add(".".join([package, *init.parent.relative_to(root).parts]))
     assert found - listed == set(), f"add these to [tool.setuptools] packages: {sorted(found - listed)}"
 

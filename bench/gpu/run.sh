@@ -17,7 +17,7 @@ if ! python3 -c 'import rlkube.runtime' 2>/dev/null; then
   site=$(mktemp -d)/site
   mkdir -p "$site/rlkube"
   ln -s "$top/runtime" "$site/rlkube/runtime"
-  ln -s "$top/runtime/api" "$site/rlkube/api"
+  ln -s "$top/api" "$site/rlkube/api"
   ln -s "$top/operator" "$site/rlkube/operator"
   export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
 fi

@@ -1,4 +1,4 @@
-"""The learning tests' task: tiny Qwen2 warm-started to a low held-out reward (see demo_task)."""
+"""The learning tests' task: tiny Qwen2 warm-started to a low held-out reward (rlkube.devcluster.tiny_task)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,6 @@ SFT_STEPS = 65
 
 @pytest.fixture(scope="session")
 def learn_task(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from rlkube.runtime.trainer.demo_task import prepare_tiny_task
+    from rlkube.devcluster.tiny_task import prepare_tiny_task
 
     return prepare_tiny_task(tmp_path_factory.mktemp("learn"), sft_steps=SFT_STEPS)

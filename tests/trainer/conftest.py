@@ -14,7 +14,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session")
 def tiny_task(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from rlkube.runtime.trainer.demo_task import prepare_tiny_task
+    from rlkube.devcluster.tiny_task import prepare_tiny_task
 
     return prepare_tiny_task(tmp_path_factory.mktemp("task"), sft_steps=20)
 

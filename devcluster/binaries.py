@@ -1,6 +1,6 @@
 """Where the control plane's binaries live, keyed by the versions pinned in the wrapper modules.
 
-`tests/cluster/tools/build.sh` writes them to `$RLKUBE_CACHE/<component>-<version>/bin`; this module
+`devcluster/tools/build.sh` writes them to `$RLKUBE_CACHE/<component>-<version>/bin`; this module
 reads the same go.mod files so Python and the build script can never disagree about a version.
 """
 
@@ -13,8 +13,8 @@ from pathlib import Path
 
 from .errors import DevClusterError
 
-TOOLS_DIR = Path(__file__).resolve().parent.parent / "tools"
-REPO_ROOT = TOOLS_DIR.parent.parent.parent
+TOOLS_DIR = Path(__file__).resolve().parent / "tools"
+REPO_ROOT = TOOLS_DIR.parent.parent
 
 # component -> (wrapper dir, module whose version keys the cache, binaries it provides)
 _COMPONENTS: dict[str, tuple[str, str, tuple[str, ...]]] = {
@@ -87,7 +87,7 @@ def find_binaries() -> Binaries:
     if missing:
         raise DevClusterError(
             "control-plane binaries are missing (run `make cluster-build` or "
-            "`bash tests/cluster/tools/build.sh`):\n  " + "\n  ".join(missing)
+            "`bash devcluster/tools/build.sh`):\n  " + "\n  ".join(missing)
         )
     kubectl = shutil.which("kubectl")
     return Binaries(

@@ -217,7 +217,7 @@ def tiny_rljob(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m rlkube.runtime.trainer.demo_task --out DIR [--rljob FILE]``: prepare, write the RLJob."""
+    """``python -m rlkube.devcluster.tiny_task --out DIR [--rljob FILE]``: prepare, write the RLJob."""
     import argparse
 
     import yaml

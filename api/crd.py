@@ -249,8 +249,8 @@ def render_yaml() -> str:
 
 
 def repo_root() -> Path:
-    """The checkout root (this file is runtime/api/crd.py)."""
-    return Path(__file__).resolve().parents[2]
+    """The checkout root (this file is api/crd.py)."""
+    return Path(__file__).resolve().parents[1]
 
 
 def outputs(root: Path | None = None) -> dict[Path, str]:

@@ -156,7 +156,7 @@ def prepare_task(example: dict[str, Any]) -> float | None:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no tqdm bars in the demo's story
     from transformers.utils import logging as hf_logging
 
-    from rlkube.runtime.trainer.demo_task import prepare_tiny_task
+    from rlkube.devcluster.tiny_task import prepare_tiny_task
 
     hf_logging.disable_progress_bar()
     spec = example["spec"]
