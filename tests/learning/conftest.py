@@ -1,4 +1,4 @@
-"""The learning tests' task: tiny Qwen2 warm-started to a low held-out reward (rlkube.devcluster.tiny_task)."""
+"""The learning tests' task: tiny Qwen2 warm-started to a low held-out reward (devcluster.tiny_task)."""
 
 from __future__ import annotations
 
