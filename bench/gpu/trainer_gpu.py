@@ -32,7 +32,7 @@ import torch
 def _import_rlkube() -> None:
     """Installed package, else map ``rlkube.runtime`` / ``rlkube.api`` onto this checkout."""
     try:
-        import rlkube.runtime.trainer.actor  # noqa: F401
+        import rlkube.runtime.trainer.policy  # noqa: F401
 
         return
     except ImportError:
@@ -89,8 +89,9 @@ def rlkube_grpo(size: str, args: argparse.Namespace, device: torch.device) -> di
     from rlkube.runtime.models.tiny import make_qwen2_like
     from rlkube.runtime.rollout.base import RolloutRequest, SamplingParams
     from rlkube.runtime.rollout.hf import HFEngine
-    from rlkube.runtime.trainer.actor import LossConfig, OptimConfig, PolicyWorker, needs_old_logprob_pass
     from rlkube.runtime.trainer.batch import Sample, collate
+    from rlkube.runtime.trainer.policy import PolicyWorker, needs_old_logprob_pass
+    from rlkube.runtime.trainer.worker import LossConfig, OptimConfig
     from rlkube.runtime.weights import WeightSender
 
     bf16 = device.type == "cuda"

@@ -21,14 +21,10 @@ from rlkube.runtime.data import PromptSampler, load_records
 from rlkube.runtime.data.records import Record
 from rlkube.runtime.rewards import get_reward_fn
 from rlkube.runtime.rollout.base import Completion, RolloutRequest, SamplingParams
-from rlkube.runtime.trainer.actor import (
-    CriticWorker,
-    LossConfig,
-    OptimConfig,
-    PolicyWorker,
-    needs_old_logprob_pass,
-)
 from rlkube.runtime.trainer.batch import Sample, collate
+from rlkube.runtime.trainer.critic import CriticWorker
+from rlkube.runtime.trainer.policy import PolicyWorker, needs_old_logprob_pass
+from rlkube.runtime.trainer.worker import LossConfig, OptimConfig
 
 
 @dataclass

@@ -12,15 +12,10 @@ import torch
 from torch import Tensor, nn
 
 from rlkube.runtime.algos import kl_penalty, masked_mean
-from rlkube.runtime.trainer.actor import (
-    LossConfig,
-    OptimConfig,
-    PolicyWorker,
-    accepts_logits_to_keep,
-    needs_old_logprob_pass,
-    response_logits,
-)
 from rlkube.runtime.trainer.batch import Batch, Sample, collate
+from rlkube.runtime.trainer.modeling import accepts_logits_to_keep
+from rlkube.runtime.trainer.policy import PolicyWorker, needs_old_logprob_pass, response_logits
+from rlkube.runtime.trainer.worker import LossConfig, OptimConfig
 
 from .conftest import write_job
 

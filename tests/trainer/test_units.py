@@ -9,10 +9,11 @@ from typing import Any
 import pytest
 import torch
 
-from rlkube.runtime.trainer.actor import LossConfig, OptimConfig, PolicyWorker, lr_lambda
 from rlkube.runtime.trainer.batch import Sample, collate
 from rlkube.runtime.trainer.checkpoint import list_checkpoints, load_latest, save_checkpoint
+from rlkube.runtime.trainer.policy import PolicyWorker
 from rlkube.runtime.trainer.replay import ReplayBuffer
+from rlkube.runtime.trainer.worker import LossConfig, OptimConfig, lr_lambda
 
 
 def _sample(p: list[int], r: list[int], group: str = "g", version: int = 0, score: float = 0.0) -> Sample:

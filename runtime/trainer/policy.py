@@ -1,18 +1,15 @@
-"""Actor, reference and critic workers over Hugging Face causal LMs.
+"""The actor (trainable) and the reference policy (frozen) over a Hugging Face causal LM.
 
-One process on the CPU; on GPUs the model is wrapped with FSDP2 (``fully_shard`` per decoder layer,
-then the root) when a process group of more than one rank is up, with bf16 compute and fp32 master
-weights. Gradient accumulation over micro-batches is exact: every micro-batch's loss is divided by
-the token (or sequence) count of its whole mini-batch, so the summed gradients equal those of one
-big batch whatever the micro-batch size (tests check this).
+fp32 master weights, bf16 autocast on GPUs (FSDP2 mixed precision with more than one rank).
+Gradient accumulation over micro-batches is exact: every micro-batch's loss is divided by the token
+(or sequence) count of its whole mini-batch, so the summed gradients equal those of one big batch
+whatever the micro-batch size (tests check this).
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,129 +22,17 @@ from rlkube.runtime.algos import (
     logprobs_from_logits,
     masked_mean,
     ppo_policy_loss,
-    value_loss,
 )
 from rlkube.runtime.trainer.batch import Batch
-
-
-@dataclass(frozen=True)
-class OptimConfig:
-    """Optimiser and schedule of one trainable worker."""
-
-    lr: float = 1e-6
-    weight_decay: float = 0.01
-    warmup_steps: int = 0
-    total_steps: int = 100
-    schedule: str = "constant"  # constant | cosine | linear (after warmup)
-    grad_clip: float = 1.0
-    betas: tuple[float, float] = (0.9, 0.999)
-
-
-@dataclass(frozen=True)
-class LossConfig:
-    """The policy loss knobs, straight from ``spec.algorithm``."""
-
-    clip_low: float = 0.2
-    clip_high: float = 0.2
-    clip_c: float | None = 3.0
-    agg_mode: str = "token-mean"
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.001
-    kl_loss_type: str = "low_var_kl"
-    temperature: float = 1.0
-    value_clip: float = 0.2
-
-
-def lr_lambda(cfg: OptimConfig) -> Any:
-    """Multiplier of the base LR at a step: linear warmup, then constant / cosine / linear decay to 0."""
-
-    def f(step: int) -> float:
-        if cfg.warmup_steps and step < cfg.warmup_steps:
-            return (step + 1) / cfg.warmup_steps
-        if cfg.schedule == "constant":
-            return 1.0
-        span = max(cfg.total_steps - cfg.warmup_steps, 1)
-        progress = min(max(step - cfg.warmup_steps, 0) / span, 1.0)
-        if cfg.schedule == "cosine":
-            return 0.5 * (1.0 + math.cos(math.pi * progress))
-        if cfg.schedule == "linear":
-            return 1.0 - progress
-        raise ValueError(f"unknown lr schedule {cfg.schedule!r}")
-
-    return f
-
-
-def world() -> tuple[int, int]:
-    """(rank, world size) of the default process group, (0, 1) without one."""
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def resolve_device(device: str | torch.device | None) -> torch.device:
-    if device is not None:
-        return torch.device(device)
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-
-
-def load_causal_lm(path: str, *, device: torch.device, gradient_checkpointing: bool = False) -> nn.Module:
-    """fp32 master weights (bf16 compute comes from autocast / FSDP2 mixed precision)."""
-    from transformers import AutoModelForCausalLM
-
-    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    model = model.to(device)
-    if gradient_checkpointing and device.type != "cpu":
-        model.gradient_checkpointing_enable()
-        model.config.use_cache = False
-    return model
-
-
-def shard_fsdp2(model: nn.Module, device: torch.device, bf16: bool) -> nn.Module:
-    """FSDP2: shard every decoder layer, then the root, over the default process group."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
-    kwargs: dict[str, Any] = {"mp_policy": mp} if mp is not None else {}
-    layers = getattr(getattr(model, "model", model), "layers", None)
-    if layers is not None:
-        for layer in layers:
-            fully_shard(layer, **kwargs)
-    fully_shard(model, **kwargs)
-    return model
-
-
-def micro_batches(batch: Batch, size: int) -> Iterator[Batch]:
-    for start in range(0, batch.size, size):
-        yield batch.rows(start, min(start + size, batch.size))
-
-
-def _accumulate(acc: dict[str, Tensor], key: str, value: Tensor) -> None:
-    acc[key] = acc[key] + value if key in acc else value
-
-
-class _Worker:
-    """What actor, reference and critic share: device, autocast, FSDP2 wrapping."""
-
-    def __init__(
-        self, *, device: str | torch.device | None, bf16: bool | None, micro_batch_size: int
-    ) -> None:
-        self.device = resolve_device(device)
-        self.bf16 = self.device.type != "cpu" if bf16 is None else bf16
-        self.micro_batch_size = micro_batch_size
-        self.rank, self.world_size = world()
-
-    def autocast(self) -> contextlib.AbstractContextManager[Any]:
-        if self.bf16 and self.world_size == 1:
-            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
-        return contextlib.nullcontext()
-
-    def _wrap(self, model: nn.Module) -> nn.Module:
-        if self.world_size > 1:
-            return shard_fsdp2(model, self.device, self.bf16)
-        return model
+from rlkube.runtime.trainer.modeling import accepts_logits_to_keep, load_causal_lm
+from rlkube.runtime.trainer.worker import (
+    LossConfig,
+    OptimConfig,
+    TrainWorker,
+    accumulate,
+    lr_lambda,
+    micro_batches,
+)
 
 
 def needs_old_logprob_pass(num_mini_batches: int, epochs: int) -> bool:
@@ -159,33 +44,6 @@ def needs_old_logprob_pass(num_mini_batches: int, epochs: int) -> bool:
     epoch runs after an optimiser step, so it needs the log-probs computed before the first one.
     """
     return not (num_mini_batches == 1 and epochs == 1)
-
-
-def _unwrap(model: nn.Module) -> nn.Module:
-    """The module whose ``forward`` signature matters: through torch.compile / DDP wrappers."""
-    for attr in ("_orig_mod", "module"):
-        inner = getattr(model, attr, None)
-        if isinstance(inner, nn.Module):
-            return _unwrap(inner)
-    return model
-
-
-_KEEPS_LOGITS: dict[type, bool] = {}
-
-
-def accepts_logits_to_keep(model: nn.Module) -> bool:
-    """Whether the (unwrapped) model's forward takes HF's ``logits_to_keep`` (cached per class)."""
-    inner = _unwrap(model)
-    cls = type(inner)
-    if cls not in _KEEPS_LOGITS:
-        import inspect
-
-        try:
-            params = inspect.signature(inner.forward).parameters
-            _KEEPS_LOGITS[cls] = "logits_to_keep" in params
-        except (TypeError, ValueError):
-            _KEEPS_LOGITS[cls] = False
-    return _KEEPS_LOGITS[cls]
 
 
 def response_logits(model: nn.Module, mb: Batch, temperature: float) -> Tensor:
@@ -207,7 +65,7 @@ def response_logits(model: nn.Module, mb: Batch, temperature: float) -> Tensor:
     return logits / temperature if temperature not in (0.0, 1.0) else logits
 
 
-class PolicyWorker(_Worker):
+class PolicyWorker(TrainWorker):
     """The actor (trainable) or the reference policy (frozen): log-probs, entropy, PPO updates."""
 
     def __init__(
@@ -378,9 +236,9 @@ class PolicyWorker(_Worker):
                 weighted["actor/kl_loss"] = masked_mean(kl.detach(), mask)
             loss.backward()
             # micro losses already sum to the mini-batch loss; the rest are token-weighted means
-            _accumulate(acc, "actor/pg_loss", pg.detach().float())
+            accumulate(acc, "actor/pg_loss", pg.detach().float())
             for k, v in weighted.items():
-                _accumulate(acc, k, v.detach().float() * weight)
+                accumulate(acc, k, v.detach().float() * weight)
             r = m.ratio_max.detach().float()
             ratio_max = r if ratio_max is None else torch.maximum(ratio_max, r)
         if ratio_max is not None:
@@ -437,117 +295,3 @@ class PolicyWorker(_Worker):
             self.optimizer.load_state_dict(state["optimizer"])
         if self.scheduler is not None and "scheduler" in state:
             self.scheduler.load_state_dict(state["scheduler"])
-
-
-class ValueModel(nn.Module):
-    """A critic: the policy's transformer body with a scalar head instead of the LM head."""
-
-    def __init__(self, lm: Any) -> None:
-        super().__init__()
-        self.body = getattr(lm, "model", lm)
-        hidden = int(lm.config.hidden_size)
-        self.head = nn.Linear(hidden, 1)
-        nn.init.zeros_(self.head.weight)
-        nn.init.zeros_(self.head.bias)
-        self.config = lm.config
-
-    def forward(self, input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor) -> Tensor:
-        h = self.body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids)
-        return self.head(h.last_hidden_state).squeeze(-1).float()
-
-
-class CriticWorker(_Worker):
-    """PPO critic: values of the states before each response token, clipped value-loss updates."""
-
-    def __init__(
-        self,
-        model_path: str,
-        *,
-        optim: OptimConfig | None = None,
-        loss: LossConfig | None = None,
-        device: str | torch.device | None = None,
-        bf16: bool | None = None,
-        micro_batch_size: int = 8,
-    ) -> None:
-        super().__init__(device=device, bf16=bf16, micro_batch_size=micro_batch_size)
-        self.optim_cfg = optim or OptimConfig(lr=1e-5)
-        self.loss_cfg = loss or LossConfig()
-        lm = load_causal_lm(model_path, device=self.device)
-        self.model = self._wrap(ValueModel(lm).to(self.device))
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=self.optim_cfg.lr, weight_decay=self.optim_cfg.weight_decay
-        )
-        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, lr_lambda(self.optim_cfg))
-
-    def _values(self, mb: Batch) -> Tensor:
-        v = self.model(mb.input_ids, mb.attention_mask, mb.position_ids)
-        p, t = mb.prompt_width, mb.responses.shape[1]
-        return v[:, p - 1 : p - 1 + t] * mb.response_mask
-
-    @torch.no_grad()
-    def compute_values(self, batch: Batch) -> Tensor:
-        out = []
-        self.model.eval()
-        for mb in micro_batches(batch, self.micro_batch_size):
-            mb = mb.to(self.device)
-            with self.autocast():
-                out.append(self._values(mb).float().cpu())
-        return torch.cat(out)
-
-    def update(self, batch: Batch, num_mini_batches: int, epochs: int = 1) -> dict[str, float]:
-        """Clipped value regression onto ``extras['returns']`` (old values in ``extras['values']``)."""
-        sums: dict[str, float] = {}
-        count = 0
-        rows = batch.size
-        per_mini = max(rows // num_mini_batches, 1)
-        self.model.train()
-        for _ in range(epochs):
-            for start in range(0, rows, per_mini):
-                mini = batch.select(list(range(start, min(start + per_mini, rows))))
-                g_tokens = float(mini.response_mask.sum().item())
-                self.optimizer.zero_grad(set_to_none=True)
-                vl_total, vclip = 0.0, 0.0
-                for mb in micro_batches(mini, self.micro_batch_size):
-                    mb = mb.to(self.device)
-                    with self.autocast():
-                        v = self._values(mb).float()
-                    loss, m = value_loss(
-                        v,
-                        mb.extras["values"],
-                        mb.extras["returns"],
-                        mb.response_mask,
-                        self.loss_cfg.value_clip,
-                        "token-mean",
-                        global_tokens=g_tokens,
-                    )
-                    loss.backward()
-                    vl_total += float(loss.detach())
-                    vclip += float(m.clip_frac) * float(mb.response_mask.sum()) / max(g_tokens, 1.0)
-                norm = torch.nn.utils.clip_grad_norm_(
-                    self.model.parameters(), self.optim_cfg.grad_clip or float("inf")
-                )
-                self.optimizer.step()
-                for k, val in (
-                    ("critic/vf_loss", vl_total),
-                    ("critic/vf_clip_frac", vclip),
-                    ("critic/grad_norm", float(norm)),
-                ):
-                    sums[k] = sums.get(k, 0.0) + val
-                count += 1
-        self.model.eval()
-        return {k: v / max(count, 1) for k, v in sums.items()}
-
-    def lr_step(self) -> None:
-        self.scheduler.step()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])

@@ -1,0 +1,96 @@
+"""What the actor, the reference policy and the critic share: optimiser and loss settings, the LR
+schedule, micro-batching and the device / autocast / FSDP2 base class."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from rlkube.runtime.trainer.batch import Batch
+from rlkube.runtime.trainer.fsdp import shard_fsdp2, world
+from rlkube.runtime.trainer.modeling import resolve_device
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Optimiser and schedule of one trainable worker."""
+
+    lr: float = 1e-6
+    weight_decay: float = 0.01
+    warmup_steps: int = 0
+    total_steps: int = 100
+    schedule: str = "constant"  # constant | cosine | linear (after warmup)
+    grad_clip: float = 1.0
+    betas: tuple[float, float] = (0.9, 0.999)
+
+
+@dataclass(frozen=True)
+class LossConfig:
+    """The policy loss knobs, straight from ``spec.algorithm``."""
+
+    clip_low: float = 0.2
+    clip_high: float = 0.2
+    clip_c: float | None = 3.0
+    agg_mode: str = "token-mean"
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.001
+    kl_loss_type: str = "low_var_kl"
+    temperature: float = 1.0
+    value_clip: float = 0.2
+
+
+def lr_lambda(cfg: OptimConfig) -> Any:
+    """Multiplier of the base LR at a step: linear warmup, then constant / cosine / linear decay to 0."""
+
+    def f(step: int) -> float:
+        if cfg.warmup_steps and step < cfg.warmup_steps:
+            return (step + 1) / cfg.warmup_steps
+        if cfg.schedule == "constant":
+            return 1.0
+        span = max(cfg.total_steps - cfg.warmup_steps, 1)
+        progress = min(max(step - cfg.warmup_steps, 0) / span, 1.0)
+        if cfg.schedule == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * progress))
+        if cfg.schedule == "linear":
+            return 1.0 - progress
+        raise ValueError(f"unknown lr schedule {cfg.schedule!r}")
+
+    return f
+
+
+def micro_batches(batch: Batch, size: int) -> Iterator[Batch]:
+    for start in range(0, batch.size, size):
+        yield batch.rows(start, min(start + size, batch.size))
+
+
+def accumulate(acc: dict[str, Tensor], key: str, value: Tensor) -> None:
+    acc[key] = acc[key] + value if key in acc else value
+
+
+class TrainWorker:
+    """What actor, reference and critic share: device, autocast, FSDP2 wrapping."""
+
+    def __init__(
+        self, *, device: str | torch.device | None, bf16: bool | None, micro_batch_size: int
+    ) -> None:
+        self.device = resolve_device(device)
+        self.bf16 = self.device.type != "cpu" if bf16 is None else bf16
+        self.micro_batch_size = micro_batch_size
+        self.rank, self.world_size = world()
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        if self.bf16 and self.world_size == 1:
+            return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def _wrap(self, model: nn.Module) -> nn.Module:
+        if self.world_size > 1:
+            return shard_fsdp2(model, self.device, self.bf16)
+        return model
