@@ -48,7 +48,10 @@ def main(argv: list[str] | None = None) -> int:
     job = resolve(load_rljob(args.rljob))
     out = args.output or _default_output(job.name)
     spec = job.spec
-    use_ray = args.ray or ((spec.training.mode != "sync" or spec.rollout.engine != "hf") and not args.no_ray)
+    from rlkube.api.layout import trainer_ranks
+
+    one_process = spec.training.mode == "sync" and spec.rollout.engine == "hf" and trainer_ranks(spec) == 1
+    use_ray = args.ray or (not one_process and not args.no_ray)
     if use_ray:
         from rlkube.runtime.trainer.ray_runtime import run_on_ray
 

@@ -165,6 +165,19 @@ class RolloutEngine(Protocol):
 
     def update_weights(self, buckets: Iterable[Any], version: int) -> set[str]: ...
 
+    @property
+    def weight_workers(self) -> int:
+        """Processes that join the job's weight groups (tensor-parallel workers; 0: cannot)."""
+        ...
+
+    def join_weight_groups(self, specs: list[Any], rank: int) -> None:
+        """Join the job's weight groups (``rlkube.runtime.weights.collective``), workers from ``rank``."""
+        ...
+
+    def receive_weights(self, version: int, kind: str) -> set[str]:
+        """Take one sync off the weight groups (``kind``: "full" or "delta")."""
+        ...
+
     def shutdown(self) -> None: ...
 
 

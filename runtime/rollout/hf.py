@@ -156,7 +156,7 @@ class HFEngine(ThreadedEngine):
             async_submit=True,
             full_weights=True,
             delta_weights=True,
-            distributed_weights=False,
+            distributed_weights=True,
             direct_weights=True,
             notes="static KV cache; CUDA graphs (and torch.compile) on CUDA; weights updated in place",
         )
@@ -256,6 +256,37 @@ class HFEngine(ThreadedEngine):
         with self._paused():
             self._require_idle()
             changed: set[str] = apply_buckets(_ParamView(self.model), items)
+            self._after_update(version)
+            return changed
+
+    weight_workers = 1  # this process joins the weight groups
+
+    def join_weight_groups(self, specs: list[Any], rank: int) -> None:
+        """Join the job's weight groups (``rlkube.runtime.weights.collective``) as ``rank``."""
+        from rlkube.runtime.weights.collective import WeightGroupMember
+
+        member = WeightGroupMember()
+        member.join(specs, rank, self.device)
+        self._weight_member = member
+
+    def receive_weights(self, version: int, kind: str) -> set[str]:
+        """One sync over the weight groups: a delta applied atomically, a full sync bucket by bucket."""
+        from rlkube.runtime.weights import apply_buckets
+
+        member = getattr(self, "_weight_member", None)
+        if member is None:
+            raise RuntimeError("the hf engine has not joined the job's weight groups")
+        view = _ParamView(self.model)
+
+        def apply(buckets: list[Any], complete: bool) -> set[str]:
+            if complete:
+                check_base_version(buckets, self._version)
+            changed: set[str] = apply_buckets(view, buckets, complete)
+            return changed
+
+        with self._paused():
+            self._require_idle()
+            changed = member.receive(kind, apply, self.device)
             self._after_update(version)
             return changed
 

@@ -334,6 +334,17 @@ class SGLangEngine:
             "SGLang has no checksum-verified delta path: use load_weights or update_weights_from_distributed"
         )
 
+    weight_workers = 0
+
+    def join_weight_groups(self, specs: list[Any], rank: int) -> None:
+        raise UnsupportedCapability(
+            "SGLang does not speak rlkube's bucket stream: use init_weights_update_group and "
+            "update_weights_from_distributed (capabilities.distributed_weights is False)"
+        )
+
+    def receive_weights(self, version: int, kind: str) -> set[str]:
+        raise UnsupportedCapability("SGLang does not speak rlkube's bucket stream")
+
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
 

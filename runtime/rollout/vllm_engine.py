@@ -13,6 +13,7 @@ import time: vLLM spawns worker processes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -113,7 +114,7 @@ class VLLMEngine(ThreadedEngine):
             async_submit=True,
             full_weights=True,
             delta_weights=True,
-            distributed_weights=False,
+            distributed_weights=True,
             notes="in-process LLMEngine; weights via worker extension + in-place layer reload"
             + ("" if self._on_gpu else "; CPU: no sleep mode"),
         )
@@ -195,6 +196,26 @@ class VLLMEngine(ThreadedEngine):
         self._require_idle()
         with self._lock:
             results = self.llm.collective_rpc("rlkube_apply_buckets", args=(wire,))
+            self.llm.reset_prefix_cache()
+            self._version = version
+        return set(results[0])
+
+    @property
+    def weight_workers(self) -> int:
+        """Processes that join the weight groups: one per tensor-parallel worker."""
+        return int(self.llm.llm_engine.vllm_config.parallel_config.tensor_parallel_size)
+
+    def join_weight_groups(self, specs: list[Any], rank: int) -> None:
+        """Every worker joins the job's weight groups (``rank`` is the first worker's)."""
+        wire = [dataclasses.asdict(s) for s in specs]
+        with self._lock:
+            self.llm.collective_rpc("rlkube_join_weight_groups", args=(wire, rank))
+
+    def receive_weights(self, version: int, kind: str) -> set[str]:
+        """One sync over the weight groups (every worker receives and reloads what changed)."""
+        self._require_idle()
+        with self._lock:
+            results = self.llm.collective_rpc("rlkube_receive_weights", args=(kind, self._version))
             self.llm.reset_prefix_cache()
             self._version = version
         return set(results[0])

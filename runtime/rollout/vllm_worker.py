@@ -190,3 +190,38 @@ class WeightLoaderExtension:
         state = self._rlkube_state()
         keys = sorted(state) if names is None else names
         return {k: tensor_to_wire(state[k]) for k in keys}
+
+    def rlkube_join_weight_groups(self, specs: list[dict[str, Any]], first_rank: int) -> int:
+        """Join the job's weight groups as ``first_rank`` + this worker's rank; returns the rank."""
+        from rlkube.runtime.weights.collective import WeightGroupMember, WeightGroupSpec
+
+        rank = first_rank + int(getattr(self, "rank", 0) or 0)
+        device = None
+        if torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        member = WeightGroupMember()
+        member.join([WeightGroupSpec(**d) for d in specs], rank, device)
+        self._rlkube_member = member
+        return rank
+
+    def rlkube_receive_weights(self, kind: str, held_version: int) -> list[str]:
+        """One sync over the weight groups into the snapshot; the layers it touched are reloaded."""
+        from rlkube.runtime.rollout.base import check_base_version
+        from rlkube.runtime.weights import apply_buckets
+
+        member = getattr(self, "_rlkube_member", None)
+        if member is None:
+            raise RuntimeError("this vLLM worker has not joined the job's weight groups")
+        state = self._rlkube_state()
+
+        def apply(buckets: list[Any], complete: bool) -> set[str]:
+            if complete:
+                check_base_version(buckets, held_version)
+            changed: set[str] = apply_buckets(state, buckets, complete)
+            return changed
+
+        # Payloads land on the snapshot's device (the host): the snapshot is what gets reloaded.
+        changed = member.receive(kind, apply, torch.device("cpu"))
+        if changed:
+            self._rlkube_reload(changed)
+        return sorted(changed)

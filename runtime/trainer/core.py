@@ -19,12 +19,12 @@ from rlkube.api import RLJob
 from rlkube.runtime.algos import compute_advantages, kl_in_reward, kl_penalty, masked_mean, overlong_penalty
 from rlkube.runtime.data import PromptSampler, load_records
 from rlkube.runtime.data.records import Record
+from rlkube.runtime.distributed.ranks import LearnerGroup, split_rows
 from rlkube.runtime.rewards import get_reward_fn
 from rlkube.runtime.rollout.base import Completion, RolloutRequest, SamplingParams
 from rlkube.runtime.trainer.batch import Sample, collate
-from rlkube.runtime.trainer.critic import CriticWorker
-from rlkube.runtime.trainer.policy import PolicyWorker, needs_old_logprob_pass
-from rlkube.runtime.trainer.worker import LossConfig, OptimConfig
+from rlkube.runtime.trainer.learner import Learner, loss_config
+from rlkube.runtime.trainer.policy import needs_old_logprob_pass
 
 
 @dataclass
@@ -39,7 +39,14 @@ class PromptRef:
 class Trainer:
     """Algorithm state of one RLJob: actor (+ ref, critic), sampler, reward, weight version."""
 
-    def __init__(self, job: RLJob, *, device: str | None = None) -> None:
+    def __init__(
+        self,
+        job: RLJob,
+        *,
+        device: str | None = None,
+        learner: Learner | None = None,
+        peers: Sequence[Any] = (),
+    ) -> None:
         from transformers import AutoTokenizer
 
         self.job = job
@@ -59,74 +66,17 @@ class Trainer:
         self.sampler = PromptSampler(self.train_records, 1, seed=d.seed, shuffle=d.shuffle)
         self.prompts_drawn = 0
         self.reward_fn = get_reward_fn(d.reward)
-        a, t = spec.algorithm, spec.training
-        self.loss_cfg = LossConfig(
-            clip_low=a.clip_ratio_low,
-            clip_high=a.clip_ratio_high,
-            clip_c=a.clip_ratio_c if a.clip_ratio_c > 1.0 else None,
-            agg_mode=a.loss_aggregation,
-            entropy_coeff=a.entropy_coeff,
-            use_kl_loss=a.kl.use_kl_loss,
-            kl_loss_coef=a.kl.kl_loss_coef,
-            kl_loss_type=a.kl.kl_loss_type,
-            temperature=a.temperature if a.temperature > 0 else 1.0,
-        )
-        optim = OptimConfig(
-            lr=t.learning_rate,
-            weight_decay=t.weight_decay,
-            warmup_steps=t.warmup_steps,
-            total_steps=t.total_steps,
-            schedule=t.lr_schedule,
-            grad_clip=t.grad_clip,
-        )
-        bf16 = None if spec.model.dtype == "bfloat16" else False
-        mbs = t.micro_batch_size
-        self.actor = PolicyWorker(
-            spec.model.path,
-            optim=optim,
-            loss=self.loss_cfg,
-            device=device,
-            bf16=bf16,
-            micro_batch_size=mbs,
-            gradient_checkpointing=spec.model.gradient_checkpointing,
-        )
-        self.use_ref = a.kl.use_kl_loss or a.kl.in_reward
-        self.ref = (
-            PolicyWorker(
-                spec.model.path,
-                trainable=False,
-                loss=self.loss_cfg,
-                device=device,
-                bf16=bf16,
-                micro_batch_size=mbs,
-            )
-            if self.use_ref
-            else None
-        )
-        self.critic = (
-            CriticWorker(
-                spec.model.path,
-                optim=OptimConfig(
-                    lr=t.critic_learning_rate,
-                    weight_decay=t.weight_decay,
-                    warmup_steps=t.warmup_steps,
-                    total_steps=t.total_steps,
-                    schedule=t.lr_schedule,
-                    grad_clip=t.grad_clip,
-                ),
-                loss=self.loss_cfg,
-                device=device,
-                bf16=bf16,
-                micro_batch_size=mbs,
-            )
-            if a.name == "ppo"
-            else None
-        )
-        from rlkube.runtime.weights import WeightSender
-
-        wire = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
-        engine_dtype = wire[spec.model.dtype] if self.actor.device.type != "cpu" else torch.float32
-        self.sender = WeightSender(bucket_megabytes=spec.weight_sync.bucket_megabytes, dtype=engine_dtype)
+        self.loss_cfg = loss_config(spec)
+        if learner is None:
+            learner = Learner(spec, device=device)
+        # Every rank's models; rank 0 (this process) is ``learner``, the others are Ray actors.
+        self.learners = LearnerGroup(learner, peers)
+        self.world_size = self.learners.world_size
+        self.actor = learner.actor
+        self.ref = learner.ref
+        self.critic = learner.critic
+        self.use_ref = self.ref is not None
+        self.sender = learner.sender
         self.step = 0  # completed training steps
         self.version = 0  # weights version the rollout serves after the last sync
         self.rng = random.Random(spec.training.seed)
@@ -213,6 +163,13 @@ class Trainer:
     ) -> dict[str, float]:
         """old log-prob -> (ref) -> (values) -> advantages -> ppoEpochs x mini-batch updates.
 
+        The batch's prompt groups are put in a fresh random order and split over the trainer ranks
+        (:func:`~rlkube.runtime.distributed.ranks.split_rows`: each mini-batch's groups shared
+        equally); every rank computes its rows' log-probs and values, advantages are computed here
+        over the whole batch (group baselines and batch whitening see every sample), and each rank
+        updates on its rows with loss denominators of the global mini-batch, so N ranks make the
+        same update as one.
+
         The old log-prob pass is skipped when the update is one epoch over one mini-batch (pi_old is
         the current weights: the update uses its own detached log-probs, ratio == 1) and the KL is
         not in the reward (that needs old log-probs before the advantages); ``actor/kl_ref`` then
@@ -226,22 +183,38 @@ class Trainer:
         num_mini = max(1, round(n_groups / spec.training.mini_batch_size))
         kl_type = a.kl.kl_penalty if a.kl.in_reward else a.kl.kl_loss_type
         old_pass = needs_old_logprob_pass(num_mini, a.ppo_epochs) or (a.kl.in_reward and self.ref is not None)
-        old_logp = None
+        # Mini-batches of whole prompt groups, in a fresh random order of groups, split over ranks.
+        groups: dict[int, list[int]] = {}
+        for i, g in enumerate(batch.group_index.tolist()):
+            groups.setdefault(g, []).append(i)
+        order = list(groups)
+        self.rng.shuffle(order)
+        plan = split_rows([groups[g] for g in order], num_mini, self.world_size)
+        rows = torch.tensor([i for r in plan for i in r], dtype=torch.long)
         t0 = time.perf_counter()
-        if old_pass:
-            old_logp, _ = self.actor.compute_logprobs(batch)
-            batch.extras["old_logp"] = old_logp
-        timing["old_log_prob"] = timing.get("old_log_prob", 0.0) + time.perf_counter() - t0
+        prepared = self.learners.call(
+            "prepare",
+            [
+                (
+                    (batch.select(r),),
+                    {"old": old_pass, "ref": self.ref is not None, "values": self.critic is not None},
+                )
+                for r in plan
+            ],
+        )
+        for key in ("old_logp", "ref_logp", "values"):
+            if key in prepared[0]:
+                batch.extras[key] = _unsplit(torch.cat([p[key] for p in prepared]), rows)
+        rank0 = prepared[0]["timing"]
+        timing["old_log_prob"] = timing.get("old_log_prob", 0.0) + rank0.get("old_log_prob", 0.0)
+        if "ref" in rank0:
+            timing["ref"] = timing.get("ref", 0.0) + rank0["ref"]
+        old_logp = batch.extras.get("old_logp")
         metrics: dict[str, float] = {"actor/old_logprob_pass": float(old_pass)}
         token_rewards = None
-        if self.ref is not None:
-            t0 = time.perf_counter()
-            ref_logp, _ = self.ref.compute_logprobs(batch)
-            batch.extras["ref_logp"] = ref_logp
-            timing["ref"] = timing.get("ref", 0.0) + time.perf_counter() - t0
-            if old_logp is not None:
-                kl = kl_penalty(old_logp, ref_logp, kl_type)
-                metrics["actor/kl_ref"] = float(masked_mean(kl, mask))
+        if old_logp is not None and "ref_logp" in batch.extras:
+            kl = kl_penalty(old_logp, batch.extras["ref_logp"], kl_type)
+            metrics["actor/kl_ref"] = float(masked_mean(kl, mask))
         t0 = time.perf_counter()
         if a.kl.in_reward and self.ref is not None:
             from rlkube.runtime.algos import scores_to_token_rewards
@@ -251,14 +224,12 @@ class Trainer:
             kl = kl_penalty(old_logp, batch.extras["ref_logp"], a.kl.kl_penalty)
             token_rewards = kl_in_reward(base, kl, a.kl.kl_coef, mask)
         if self.critic is not None:
-            values = self.critic.compute_values(batch)
-            batch.extras["values"] = values
             adv, returns = compute_advantages(
                 "gae",
                 mask=mask,
                 scores=batch.scores,
                 token_rewards=token_rewards,
-                values=values,
+                values=batch.extras["values"],
                 gamma=a.gamma,
                 lam=a.lam,
             )
@@ -274,38 +245,39 @@ class Trainer:
             )
         batch.extras["advantages"] = adv
         timing["adv"] = timing.get("adv", 0.0) + time.perf_counter() - t0
-        # Mini-batches of whole prompt groups, in a fresh random order of groups.
-        groups: dict[int, list[int]] = {}
-        for i, g in enumerate(batch.group_index.tolist()):
-            groups.setdefault(g, []).append(i)
-        order = list(groups)
-        self.rng.shuffle(order)
-        rows = [i for g in order for i in groups[g]]
-        batch = batch.select(rows)
         t0 = time.perf_counter()
-        if self.critic is not None:
-            metrics.update(self.critic.update(batch, num_mini, a.ppo_epochs))
-            if step_lr:
-                self.critic.lr_step()
-        metrics.update(self.actor.update(batch, num_mini, a.ppo_epochs))
-        if step_lr:
-            self.actor.lr_step()
+        updated = self.learners.call(
+            "update", [((batch.select(r), num_mini, a.ppo_epochs, step_lr), {}) for r in plan]
+        )
+        metrics.update(updated[0][0])  # already reduced over ranks
         timing["update_actor"] = timing.get("update_actor", 0.0) + time.perf_counter() - t0
-        on_policy_logp = self.actor.last_update_logp
-        if old_logp is None and self.ref is not None and on_policy_logp is not None:
-            # the update's detached log-probs are the pre-update (old) ones, in this batch's row order
+        if old_logp is None and "ref_logp" in batch.extras and updated[0][1] is not None:
+            # the update's detached log-probs are the pre-update (old) ones
+            on_policy_logp = _unsplit(torch.cat([u[1] for u in updated]), rows)
             kl = kl_penalty(on_policy_logp, batch.extras["ref_logp"], kl_type)
-            metrics["actor/kl_ref"] = float(masked_mean(kl, batch.response_mask))
+            metrics["actor/kl_ref"] = float(masked_mean(kl, mask))
         metrics["actor/updates"] = float(num_mini * a.ppo_epochs)
+        metrics["trainer/world_size"] = float(self.world_size)
         return metrics
 
     # -- weights -----------------------------------------------------------------------------
     def weight_buckets(self, version: int) -> list[Any]:
-        """The next sync's buckets (full or delta per spec.weightSync.method)."""
-        params = self.actor.full_named_parameters()
+        """The next sync's buckets (full or delta per spec.weightSync.method), as one list on rank 0.
+
+        ``full``: rank 0 gathers the full tensors (the other ranks take part in each gather);
+        ``delta_sharded``: every rank diffs its own shard and rank 0 joins their buckets.
+        """
+        from rlkube.runtime.weights.collective import as_one_sync
+
         if self.spec.weight_sync.method == "delta_sharded":
-            return list(self.sender.delta(params, version))
-        return list(self.sender.full(params, version))
+            peers = self.learners.start_peers("delta_buckets", version)
+            mine = self.learners.local.delta_buckets(version)
+            theirs = self.learners.wait(peers)
+            return mine if not theirs else as_one_sync([b for bs in [mine, *theirs] for b in bs])
+        peers = self.learners.start_peers("iterate_full_parameters")
+        buckets = list(self.sender.full(self.actor.full_named_parameters(), version))
+        self.learners.wait(peers)
+        return buckets
 
     def sync_stats(self) -> dict[str, float]:
         st = self.sender.last_stats
@@ -393,3 +365,10 @@ def sample_metrics(samples: Iterable[Sample], version: int) -> dict[str, float]:
         "batch/response_tokens": float(sum(lengths)),
         "batch/prompt_tokens": float(sum(len(s.prompt_ids) for s in ss)),
     }
+
+
+def _unsplit(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """Per-row tensors computed in ``rows`` order (the ranks' rows, concatenated) back in batch order."""
+    out = torch.empty_like(values)
+    out[rows] = values
+    return out

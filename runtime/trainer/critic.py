@@ -78,9 +78,11 @@ class CriticWorker(TrainWorker):
         for _ in range(epochs):
             for start in range(0, rows, per_mini):
                 mini = batch.select(list(range(start, min(start + per_mini, rows))))
-                g_tokens = float(mini.response_mask.sum().item())
+                g_tokens, _ = self.global_counts(mini)
+                local_tokens = float(mini.response_mask.sum())
                 self.optimizer.zero_grad(set_to_none=True)
-                vl_total, vclip = 0.0, 0.0
+                vl_total = torch.zeros((), dtype=torch.float64, device=self.device)
+                vclip = torch.zeros((), dtype=torch.float64, device=self.device)
                 for mb in micro_batches(mini, self.micro_batch_size):
                     mb = mb.to(self.device)
                     with self.autocast():
@@ -95,17 +97,21 @@ class CriticWorker(TrainWorker):
                         global_tokens=g_tokens,
                     )
                     loss.backward()
-                    vl_total += float(loss.detach())
-                    vclip += float(m.clip_frac) * float(mb.response_mask.sum()) / max(g_tokens, 1.0)
+                    vl_total += loss.detach().double()
+                    vclip += (
+                        m.clip_frac.detach().double() * float(mb.response_mask.sum()) / max(local_tokens, 1.0)
+                    )
                 norm = torch.nn.utils.clip_grad_norm_(
                     self.model.parameters(), self.optim_cfg.grad_clip or float("inf")
                 )
+                if hasattr(norm, "full_tensor"):
+                    norm = norm.full_tensor()
                 self.optimizer.step()
-                for k, val in (
-                    ("critic/vf_loss", vl_total),
-                    ("critic/vf_clip_frac", vclip),
-                    ("critic/grad_norm", float(norm)),
-                ):
+                stats = self.reduce_metrics(
+                    {"critic/vf_loss": vl_total}, {"critic/vf_clip_frac": vclip}, local_tokens
+                )
+                stats["critic/grad_norm"] = float(norm)
+                for k, val in stats.items():
                     sums[k] = sums.get(k, 0.0) + val
                 count += 1
         self.model.eval()

@@ -1,4 +1,4 @@
-"""Rollout engines for a spec, and the Ray-actor proxy that makes a remote engine look local."""
+"""Rollout engines for a spec: the constructor options each engine kind takes from it."""
 
 from __future__ import annotations
 
@@ -47,37 +47,3 @@ def build_engine(spec: RLJobSpec, model_path: str | None = None, **overrides: An
     kind = spec.rollout.engine
     opts = {**engine_options(spec, kind), **overrides}
     return make_engine(kind, model_path or spec.model.path, **opts)
-
-
-class RayEngineProxy:
-    """The rollout interface over a Ray actor handle (``RolloutActor``): every call is a remote call."""
-
-    def __init__(self, handle: Any, timeout_s: float = 600.0) -> None:
-        self.handle = handle
-        self.timeout_s = timeout_s
-
-    def _call(self, name: str, *args: Any) -> Any:
-        import ray
-
-        return ray.get(getattr(self.handle, name).remote(*args), timeout=self.timeout_s)
-
-    def generate(self, requests: Any) -> Any:
-        return self._call("generate", list(requests))
-
-    def submit(self, requests: Any) -> None:
-        self._call("submit", list(requests))
-
-    def poll(self) -> Any:
-        return self._call("poll")
-
-    def abort_all(self) -> Any:
-        return self._call("abort_all")
-
-    def resume(self, partials: Any) -> None:
-        self._call("resume", list(partials))
-
-    def update_weights(self, buckets: Any, version: int) -> Any:
-        return self._call("update_weights", list(buckets), version)
-
-    def num_in_flight(self) -> int:
-        return int(self._call("num_in_flight"))

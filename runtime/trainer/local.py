@@ -6,6 +6,8 @@ from pathlib import Path
 from typing import Any
 
 from rlkube.api import RLJob
+from rlkube.api.layout import rollout_engines, trainer_ranks
+from rlkube.runtime.distributed.pool import EnginePool
 from rlkube.runtime.trainer.core import Trainer
 from rlkube.runtime.trainer.engines import build_engine
 from rlkube.runtime.trainer.loop import RunResult, run_loop
@@ -29,12 +31,18 @@ def checkpoint_dir(job: RLJob, out: Path) -> Path:
 def run_local(
     job: RLJob, output_dir: str | Path, *, max_steps: int | None = None, device: str | None = None
 ) -> RunResult:
+    ranks = trainer_ranks(job.spec)
+    if ranks > 1:
+        raise ValueError(
+            f"this spec asks for {ranks} trainer ranks (trainer.replicas x trainer.gpusPerReplica); "
+            "one process runs one: run it on Ray (rlkube-train without --no-ray)"
+        )
     out = Path(output_dir)
     trainer = Trainer(job, device=device)
-    n = job.spec.rollout.replicas if job.spec.training.mode == "separate_async" else 1
+    n = rollout_engines(job.spec)
     engines = [build_engine(job.spec) for _ in range(n)]
     try:
-        driver = make_driver(trainer, engines)
+        driver = make_driver(trainer, [EnginePool(engines, [f"rollout-{i}" for i in range(n)])])
         return run_loop(
             trainer,
             driver,

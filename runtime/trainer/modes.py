@@ -46,34 +46,20 @@ class _Base:
         self.sync_seconds_total = 0.0
 
     # -- shared pieces -----------------------------------------------------------------------
-    def push_weights(self, timing: dict[str, float]) -> dict[str, float]:
-        """New version to every engine; nothing may be in flight (callers abort or drain first)."""
+    def push_weights(self, timing: dict[str, float]) -> dict[str, Any]:
+        """New version to every engine; nothing may be in flight (callers abort or drain first).
+
+        The transport (direct copy, collective, IPC or object store) is chosen by
+        ``rlkube.runtime.distributed.weight_sync`` and named in ``weight_sync/transport``.
+        """
+        from rlkube.runtime.distributed.weight_sync import push_weights
+
         t0 = time.perf_counter()
         version = self.tr.version + 1
-        if self._direct_full_sync():
-            # Same process, full sync: copy the trainer's tensors straight in (validated, grouped);
-            # packing and checksumming buckets would only add passes over memory.
-            params = list(self.tr.actor.full_named_parameters())
-            for e in self.engines:
-                e.load_weights(params, version)
-            st = self.tr.direct_sync_stats([getattr(e, "last_load_stats", None) for e in self.engines])
-        else:
-            buckets = self.tr.weight_buckets(version)
-            for e in self.engines:
-                e.update_weights(buckets, version)
-            st = self.tr.sync_stats()
+        st = push_weights(self.tr, self.engines, version)
         self.tr.version = version
-        dt = time.perf_counter() - t0
-        timing["update_weights"] = dt
-        if dt > 0 and "weight_sync/payload_mb" in st:
-            st["weight_sync/mb_per_s"] = st["weight_sync/payload_mb"] * len(self.engines) / dt
+        timing["update_weights"] = time.perf_counter() - t0
         return st
-
-    def _direct_full_sync(self) -> bool:
-        """Full sync and every engine lives in this process with ``direct_weights``."""
-        return self.tr.spec.weight_sync.method == "full" and all(
-            getattr(getattr(e, "capabilities", None), "direct_weights", False) for e in self.engines
-        )
 
     def evaluate(self) -> dict[str, float]:
         """Greedy mean reward on the validation prompts (one sample each) under the served weights."""
@@ -127,6 +113,9 @@ class _Base:
     ) -> dict[str, float]:
         m = sample_metrics(samples, self.tr.version)
         m.update(extra)
+        for e in self.engines:  # engine pools: how many engines, and the requests each one got
+            if hasattr(e, "load_metrics"):
+                m.update(e.load_metrics())
         for k, v in timing.items():
             m[f"timing_s/{k}"] = v
         return m

@@ -164,28 +164,17 @@ class PolicyWorker(TrainWorker):
             self.last_update_logp = torch.cat(kept).cpu()
         return {k: v / max(count, 1) for k, v in sums.items()}
 
-    def _global_counts(self, mini: Batch) -> tuple[float, int]:
-        tokens = float(mini.response_mask.sum().item())
-        seqs = mini.size
-        if self.world_size > 1:
-            import torch.distributed as dist
-
-            t = torch.tensor([tokens, float(seqs)], device=self.device)
-            dist.all_reduce(t)
-            # DDP/FSDP average gradients over ranks: scale the denominators back to a global sum.
-            tokens, seqs = float(t[0]) / self.world_size, int(t[1].item()) // self.world_size
-        return tokens, seqs
-
     def _mini_step(self, mini: Batch, cfg: LossConfig, kept: list[Tensor] | None = None) -> dict[str, float]:
         """One optimiser step over ``mini``; without ``old_logp`` in its extras the update is
         on-policy (the caller checked) and the detached log-probs (kept in ``kept``) stand in."""
         assert self.optimizer is not None
         self.optimizer.zero_grad(set_to_none=True)
-        g_tokens, g_seqs = self._global_counts(mini)
+        g_tokens, g_seqs = self.global_counts(mini)
         # Token share of each micro-batch (for metrics), from the host copy of the mask; the
         # mini-batch then moves to the device once and metrics stay on it until the end: no host
         # sync per micro-batch, so kernel launches keep running ahead of the GPU.
-        n_tok = max(float(mini.response_mask.sum()), 1.0)
+        mini_tokens = float(mini.response_mask.sum())
+        n_tok = max(mini_tokens, 1.0)
         weights = [float(mb.response_mask.sum()) / n_tok for mb in micro_batches(mini, self.micro_batch_size)]
         mini = mini.to(self.device)
         acc: dict[str, Tensor] = {}
@@ -241,9 +230,15 @@ class PolicyWorker(TrainWorker):
                 accumulate(acc, k, v.detach().float() * weight)
             r = m.ratio_max.detach().float()
             ratio_max = r if ratio_max is None else torch.maximum(ratio_max, r)
-        if ratio_max is not None:
-            acc["actor/ratio_max"] = ratio_max
-        out = dict(zip(acc, torch.stack([v.reshape(()) for v in acc.values()]).tolist(), strict=True))
+        # Over ranks: the loss is averaged (each rank's is scaled for the global batch), the rest
+        # weighted by each rank's tokens, the ratio maxed.
+        pg_loss = acc.pop("actor/pg_loss")
+        out = self.reduce_metrics(
+            {"actor/pg_loss": pg_loss},
+            acc,
+            float(mini_tokens),
+            {"actor/ratio_max": ratio_max} if ratio_max is not None else {},
+        )
         out["actor/grad_norm"] = self._clip_and_step()
         out["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
         return out

@@ -1,23 +1,31 @@
-"""The modes on Ray: one trainer actor and the rollout actors, placed by the worker-group resources.
+"""The modes on Ray: one actor per trainer rank and one per rollout engine, placed by placement groups.
 
-The operator gives every worker pod a Ray logical resource named after its group (``rlkube_actor``
-when trainer and rollout share GPUs, ``rlkube_trainer`` / ``rlkube_rollout`` in separate_async; see
-``rlkube.api.ray_resource_name``). Actors ask for those resources, so they land on their group's pods;
-locally, ``run_on_ray`` starts a Ray with the same resources so placement is exercised the same way.
-The run loop lives in the trainer actor (it owns the weights and the metrics); the driver only waits
-and then tears everything down, killing the actors and, if it started Ray, shutting it down.
+``run_on_ray`` (the driver: the RayJob's entrypoint, or a local Ray it starts) lays the job out as
+``rlkube.api.layout`` says: ``trainer.replicas x gpusPerReplica`` trainer ranks in one
+torch.distributed world (FSDP2), ``rollout devices / tensorParallelSize`` engines behind one
+balancer, weight groups joining trainer ranks and engine workers. Placement groups put each rank
+and engine on its pod (``rlkube.runtime.distributed.placement``). Rank 0 runs the mode driver and
+the run loop (it owns metrics, status and checkpoints) and calls the other ranks for each step's
+model work. The driver waits for rank 0 and, at the same time, for any actor to die: a rank or
+engine that dies fails the job within seconds with its name, never a hang; everything the driver
+started is killed on the way out, and a local Ray it started is shut down.
 """
 
 from __future__ import annotations
 
+import functools
+import json
 import logging
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from rlkube.api import RLJob, colocated, ray_resource_name
+from rlkube.api import RLJob, total_gpus
+from rlkube.runtime.distributed.ranks import TrainerRank
+from rlkube.runtime.distributed.remote import EngineHost
 from rlkube.runtime.trainer.loop import RunResult
 
 log = logging.getLogger(__name__)
@@ -33,6 +41,11 @@ _PASS_ENV = (
     "RLKUBE_TORCH_THREADS",
     "HF_HUB_OFFLINE",
 )
+LAYOUT_FILE = "layout.json"
+
+
+class JobFailed(RuntimeError):
+    """The job stopped because a rank or an engine died or raised; the message names which."""
 
 
 def _scrub_sys_path() -> None:
@@ -49,73 +62,50 @@ def _threads() -> None:
     torch.set_num_threads(int(os.environ.get("RLKUBE_TORCH_THREADS", "1")))
 
 
-class RolloutWorker:
-    """A rollout engine in its own Ray actor (the rollout interface, one method per call)."""
+class _Watched:
+    """What every actor of the job answers: ``watch`` never returns while the actor lives, so the
+    driver learns of a death the moment Ray does (it runs in its own concurrency group)."""
 
-    def __init__(self, job: RLJob) -> None:
+    def watch(self) -> None:
+        threading.Event().wait()
+
+
+class RankActor(TrainerRank, _Watched):
+    """A trainer rank in a Ray actor; rank 0 also runs the job (:meth:`run`)."""
+
+    def __init__(self, rank: int, world_size: int, device: str | None = None) -> None:
         _scrub_sys_path()
         _threads()
-        from rlkube.runtime.trainer.engines import build_engine
+        super().__init__(rank, world_size, device)
 
-        self.engine = build_engine(job.spec)
-
-    def generate(self, requests: list[Any]) -> list[Any]:
-        return list(self.engine.generate(requests))
-
-    def submit(self, requests: list[Any]) -> None:
-        self.engine.submit(requests)
-
-    def poll(self) -> list[Any]:
-        return list(self.engine.poll())
-
-    def abort_all(self) -> list[Any]:
-        return list(self.engine.abort_all())
-
-    def resume(self, partials: list[Any]) -> None:
-        self.engine.resume(partials)
-
-    def update_weights(self, buckets: list[Any], version: int) -> int:
-        return len(self.engine.update_weights(buckets, version))
-
-    def num_in_flight(self) -> int:
-        return int(self.engine.num_in_flight())
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def shutdown(self) -> None:
-        self.engine.shutdown()
-
-
-class TrainerWorker:
-    """The trainer actor: the Trainer core, the mode driver over remote engines, the run loop."""
-
-    def __init__(self, job: RLJob, device: str | None = None) -> None:
-        _scrub_sys_path()
-        _threads()
+    def run(
+        self,
+        job: RLJob,
+        engines: list[tuple[Any, str]],
+        peers: list[Any],
+        output_dir: str,
+        max_steps: int | None,
+        collective: bool,
+    ) -> dict[str, Any]:
+        """Rank 0: the Trainer over every rank, the mode driver over the engine pool, the run loop."""
+        from rlkube.runtime.distributed.pool import EnginePool
+        from rlkube.runtime.distributed.remote import RemoteEngine
         from rlkube.runtime.trainer.core import Trainer
-
-        self.job = job
-        self.trainer = Trainer(job, device=device)
-
-    def pid(self) -> int:
-        return os.getpid()
-
-    def run(self, rollout_handles: list[Any], output_dir: str, max_steps: int | None) -> dict[str, Any]:
-        from rlkube.runtime.trainer.engines import RayEngineProxy
         from rlkube.runtime.trainer.local import checkpoint_dir, make_driver
         from rlkube.runtime.trainer.loop import run_loop
 
-        engines = [RayEngineProxy(h) for h in rollout_handles]
-        driver = make_driver(self.trainer, engines)
+        trainer = Trainer(job, learner=self.learner, peers=peers)
+        pool = EnginePool([RemoteEngine(h, n) for h, n in engines], [n for _, n in engines])
+        pool.collective_ready = collective
+        driver = make_driver(trainer, [pool])
         out = Path(output_dir)
         res = run_loop(
-            self.trainer,
+            trainer,
             driver,
             out,
             max_steps=max_steps,
-            checkpoint_dir=checkpoint_dir(self.job, out),
-            num_gpus=_gpus(self.job) if self.trainer.actor.device.type != "cpu" else 0,
+            checkpoint_dir=checkpoint_dir(job, out),
+            num_gpus=total_gpus(job.spec) if trainer.actor.device.type != "cpu" else 0,
         )
         return {
             "output_dir": str(res.output_dir),
@@ -127,48 +117,124 @@ class TrainerWorker:
         }
 
 
-def _gpus(job: RLJob) -> int:
-    from rlkube.api import total_gpus
+class EngineActor(EngineHost, _Watched):
+    """A rollout engine in a Ray actor."""
 
-    return total_gpus(job.spec)
-
-
-def placement(job: RLJob) -> tuple[dict[str, float], dict[str, Any], dict[str, Any]]:
-    """(local Ray resources, trainer actor options, rollout actor options) for the spec's mode."""
-    spec = job.spec
-    unit = lambda gpus: float(max(gpus, 1))  # noqa: E731 - a pod's resource is worth its GPU count (1 on CPU)
-    gpu_opts: dict[str, Any] = {}
-    if spec.gpu.vendor != "cpu":
-        from rlkube.runtime.platform import current_platform
-
-        gpu_opts = current_platform().ray_options
-    if colocated(spec):
-        name = ray_resource_name("actor")
-        total = unit(spec.trainer.gpus_per_replica) * spec.trainer.replicas
-        n = max(spec.rollout.replicas, 1) if spec.training.mode != "sync" else 1
-        trainer = {"resources": {name: 0.5}, "num_cpus": 0}
-        rollout = {"resources": {name: 0.5 / n}, "num_cpus": 0}
-        if gpu_opts:
-            trainer.update(gpu_opts(0.5))  # type: ignore[operator]
-            rollout.update(gpu_opts(0.5 / n))  # type: ignore[operator]
-        return {name: total}, trainer, rollout
-    tname, rname = ray_resource_name("trainer"), ray_resource_name("rollout")
-    res = {
-        tname: unit(spec.trainer.gpus_per_replica) * spec.trainer.replicas,
-        rname: unit(spec.rollout.gpus_per_replica or 0) * spec.rollout.replicas,
-    }
-    trainer = {"resources": {tname: 1.0}, "num_cpus": 0}
-    rollout = {"resources": {rname: unit(spec.rollout.gpus_per_replica or 0)}, "num_cpus": 0}
-    if gpu_opts:
-        trainer.update(gpu_opts(spec.trainer.gpus_per_replica))  # type: ignore[operator]
-        rollout.update(gpu_opts(spec.rollout.gpus_per_replica or 0))  # type: ignore[operator]
-    return res, trainer, rollout
+    def __init__(self, name: str, build: Any) -> None:
+        _scrub_sys_path()
+        _threads()
+        super().__init__(name, build)
 
 
 def actor_env() -> dict[str, str]:
     env = {"PYTHONSAFEPATH": "1", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
     env.update({k: os.environ[k] for k in _PASS_ENV if k in os.environ})
     return env
+
+
+def _start_ray(resources: dict[str, float], num_cpus: int) -> bool:
+    """Join RAY_ADDRESS or start a local Ray advertising ``resources``; True when started here."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    runtime_env = {"env_vars": actor_env()}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=True)
+        return False
+    # Ray gives its raylet a fixed 30 s to register; on a loaded machine that can be too short, so a
+    # failed start is cleaned up and retried.
+    for attempt in range(3):
+        try:
+            ray.init(
+                num_cpus=num_cpus,
+                resources=resources,
+                include_dashboard=False,
+                runtime_env=runtime_env,
+                log_to_driver=True,
+                _temp_dir=os.environ.get("RLKUBE_RAY_TMPDIR"),
+            )
+            return True
+        except Exception as e:
+            ray.shutdown()  # a half-started local Ray (GCS up, raylet not) must not outlive us
+            if attempt == 2:
+                raise
+            log.warning("local Ray did not start (%s); retrying", e)
+            time.sleep(5)
+    return True
+
+
+class _Job:
+    """The actors of one run, by label (``trainer rank 1``, ``rollout engine rollout-0``)."""
+
+    def __init__(self) -> None:
+        self.actors: dict[str, Any] = {}
+        self.watches: dict[Any, str] = {}
+        self.groups: list[Any] = []
+
+    def add(self, label: str, actor: Any) -> Any:
+        self.actors[label] = actor
+        self.watches[actor.watch.options(concurrency_group="watch").remote()] = label
+        return actor
+
+    def get(self, refs: list[Any], timeout_s: float | None = None) -> list[Any]:
+        """``ray.get`` that fails as soon as any actor of the job dies, naming it."""
+        import ray
+
+        pending = list(refs)
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while pending:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            ready, _ = ray.wait([*pending, *self.watches], num_returns=1, timeout=left)
+            if not ready:
+                raise JobFailed(f"timed out after {timeout_s:.0f} s waiting for the job's actors")
+            for r in ready:
+                if r in self.watches:
+                    raise JobFailed(self._died(r))
+                pending.remove(r)
+        try:
+            return list(ray.get(list(refs)))
+        except Exception as e:
+            dead = self.dead()
+            raise JobFailed(f"{'; '.join(dead) + ': ' if dead else ''}{_cause(e)}") from e
+
+    def _died(self, ref: Any) -> str:
+        import ray
+
+        label = self.watches[ref]
+        try:
+            ray.get(ref)
+            cause = "exited"
+        except Exception as e:
+            cause = _cause(e)
+        return f"{label} died: {cause}"
+
+    def dead(self) -> list[str]:
+        """Labels of actors that are gone (checked without waiting on busy ones)."""
+        import ray
+
+        ready, _ = ray.wait(list(self.watches), num_returns=len(self.watches), timeout=2.0)
+        return [self._died(r) for r in ready]
+
+    def kill(self) -> None:
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        for a in self.actors.values():
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception as e:
+                log.debug("kill actor: %s", e)
+        for g in self.groups:
+            try:
+                remove_placement_group(g)
+            except Exception as e:
+                log.debug("remove placement group: %s", e)
+
+
+def _cause(e: BaseException) -> str:
+    lines = [x.strip() for x in str(e).strip().splitlines() if x.strip()]
+    return lines[-1] if lines else type(e).__name__
 
 
 def run_on_ray(
@@ -183,54 +249,81 @@ def run_on_ray(
     """Run the job's mode with Ray actors; start (and stop) a local Ray unless one is reachable."""
     import ray
 
+    from rlkube.runtime.distributed.placement import actor_options, create_placement_groups, plan_placement
+    from rlkube.runtime.trainer.engines import build_engine
+    from rlkube.runtime.weights.collective import DEFAULT_TIMEOUT_S, weight_group_specs
+
     spec = job.spec
-    resources, t_opts, r_opts = placement(job)
-    started = False
-    if not ray.is_initialized():
-        runtime_env = {"env_vars": actor_env()}
-        if os.environ.get("RAY_ADDRESS"):
-            ray.init(address=os.environ["RAY_ADDRESS"], runtime_env=runtime_env, log_to_driver=True)
-        else:
-            # Ray gives its raylet a fixed 30 s to register; on a loaded machine that can be too
-            # short, so a failed start is cleaned up and retried.
-            for attempt in range(3):
-                try:
-                    ray.init(
-                        num_cpus=num_cpus,
-                        resources=resources,
-                        include_dashboard=False,
-                        runtime_env=runtime_env,
-                        log_to_driver=True,
-                        _temp_dir=os.environ.get("RLKUBE_RAY_TMPDIR"),
-                    )
-                    break
-                except Exception as e:
-                    ray.shutdown()  # a half-started local Ray (GCS up, raylet not) must not outlive us
-                    if attempt == 2:
-                        raise
-                    log.warning("local Ray did not start (%s); retrying", e)
-                    time.sleep(5)
-            started = True
-    n_rollout = spec.rollout.replicas if spec.training.mode == "separate_async" else 1
+    plan = plan_placement(spec)
+    lay = plan.layout
+    started = _start_ray(plan.local_resources(), num_cpus)
     out = Path(output_dir).resolve()
-    actors: list[Any] = []
+    out.mkdir(parents=True, exist_ok=True)
+    run = _Job()
+    backend = "nccl" if plan.gpus and device != "cpu" else "gloo"
+    t_start = time.monotonic()
     try:
-        rollouts: list[Any] = [
-            ray.remote(RolloutWorker).options(name=None, max_concurrency=1, **r_opts).remote(job)
-            for _ in range(n_rollout)
+        pg_trainer, pg_rollout = create_placement_groups(plan)
+        run.groups = [pg_trainer] if pg_rollout is pg_trainer else [pg_trainer, pg_rollout]
+        watch = {"concurrency_groups": {"watch": 1}, "max_concurrency": 1}
+        ranks = [
+            run.add(
+                f"trainer rank {r}",
+                ray.remote(RankActor)
+                .options(**watch, **actor_options(pg_trainer, plan.rank_bundle(r), plan.rank_resources()))
+                .remote(r, lay.trainer_ranks, device),
+            )
+            for r in range(lay.trainer_ranks)
         ]
-        actors.extend(rollouts)
-        trainer: Any = ray.remote(TrainerWorker).options(max_concurrency=1, **t_opts).remote(job, device)
-        actors.append(trainer)
-        res = ray.get(trainer.run.remote(rollouts, str(out), max_steps), timeout=timeout_s)
-        for r in rollouts:
-            ray.get(r.shutdown.remote(), timeout=60)
+        names = [f"rollout-{e}" for e in range(lay.engines)]
+        engine_group = pg_trainer if lay.colocated else pg_rollout
+        hosts = [
+            run.add(
+                f"rollout engine {n}",
+                ray.remote(EngineActor)
+                .options(
+                    **watch, **actor_options(engine_group, plan.engine_bundle(e), plan.engine_resources())
+                )
+                .remote(n, functools.partial(build_engine, spec)),
+            )
+            for e, n in enumerate(names)
+        ]
+        host, port = run.get([ranks[0].rendezvous.remote()])[0]
+        run.get([r.join.remote(host, port, backend, DEFAULT_TIMEOUT_S) for r in ranks])
+        run.get([r.build.remote(spec) for r in ranks])
+        caps = run.get([h.get.remote("capabilities") for h in hosts])
+        workers = run.get([h.get.remote("weight_workers") for h in hosts])
+        collective = all(c.distributed_weights for c in caps) and all(w > 0 for w in workers)
+        if collective:
+            whost, wport = run.get([ranks[0].rendezvous.remote()])[0]
+            sources = list(range(lay.trainer_ranks)) if spec.weight_sync.method == "delta_sharded" else [0]
+            specs = weight_group_specs(whost, wport, sources, sum(workers), backend, DEFAULT_TIMEOUT_S)
+            firsts = [1 + sum(workers[:i]) for i in range(len(hosts))]
+            run.get(
+                [h.call.remote("join_weight_groups", specs, f) for h, f in zip(hosts, firsts, strict=True)]
+                + [r.call.remote("join_weight_groups", specs) for r in ranks]
+            )
+        where = run.get([a.where.remote() for a in [*ranks, *hosts]])
+        _write_layout(out / LAYOUT_FILE, spec, lay, where, backend, collective)
+        log.info(
+            "%d trainer rank(s), %d rollout engine(s) (%s weight sync) up in %.1f s",
+            lay.trainer_ranks,
+            lay.engines,
+            "collective" if collective else "object-store",
+            time.monotonic() - t_start,
+        )
+        left = None if timeout_s is None else max(timeout_s - (time.monotonic() - t_start), 1.0)
+        res = run.get(
+            [
+                ranks[0].run.remote(
+                    job, list(zip(hosts, names, strict=True)), ranks[1:], str(out), max_steps, collective
+                )
+            ],
+            left,
+        )[0]
+        run.get([h.call.remote("shutdown") for h in hosts], 60.0)
     finally:
-        for a in actors:
-            try:
-                ray.kill(a, no_restart=True)
-            except Exception as e:
-                log.debug("kill actor: %s", e)
+        run.kill()
         if started:
             ray.shutdown()
     return RunResult(
@@ -241,3 +334,23 @@ def run_on_ray(
         Path(res["curve_path"]) if res["curve_path"] else None,
         res["resumed_from"],
     )
+
+
+def _write_layout(
+    path: Path, spec: Any, lay: Any, where: list[dict[str, Any]], backend: str, collective: bool
+) -> None:
+    """``layout.json``: every rank's and engine's pid, node and devices (what ran where)."""
+    doc = {
+        "mode": spec.training.mode,
+        "trainer_ranks": lay.trainer_ranks,
+        "ranks_per_pod": lay.ranks_per_pod,
+        "engines": lay.engines,
+        "tensor_parallel_size": lay.tp,
+        "backend": backend,
+        "weight_sync": "collective" if collective else "object_store",
+        "ranks": where[: lay.trainer_ranks],
+        "rollout": where[lay.trainer_ranks :],
+    }
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(doc, indent=2))
+    tmp.replace(path)

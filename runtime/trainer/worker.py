@@ -94,3 +94,52 @@ class TrainWorker:
         if self.world_size > 1:
             return shard_fsdp2(model, self.device, self.bf16)
         return model
+
+    def global_counts(self, mini: Batch) -> tuple[float, int]:
+        """Loss denominators of a mini-batch spread over every rank, scaled for FSDP's gradient mean.
+
+        Each rank holds an equal share of the mini-batch (whole prompt groups). FSDP2 averages
+        gradients over ranks, so dividing each rank's summed loss by ``global / world_size`` makes
+        the averaged gradient that of the global token-mean (or seq-mean): N ranks compute the
+        same update as one.
+        """
+        tokens = float(mini.response_mask.sum().item())
+        seqs = mini.size
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            t = torch.tensor([tokens, float(seqs)], dtype=torch.float64, device=self.device)
+            dist.all_reduce(t)
+            tokens, seqs = float(t[0]) / self.world_size, int(t[1].item()) // self.world_size
+        return tokens, seqs
+
+    def reduce_metrics(
+        self,
+        means: dict[str, Tensor],
+        weighted: dict[str, Tensor],
+        local_tokens: float,
+        maxima: dict[str, Tensor] | None = None,
+    ) -> dict[str, float]:
+        """Per-rank metrics -> global ones, as floats (one host sync).
+
+        ``means`` are averaged over ranks (loss terms, already scaled for the global batch),
+        ``weighted`` averaged by each rank's token count, ``maxima`` maxed over ranks.
+        """
+        maxima = maxima or {}
+        vals = [means[k].reshape(()).double() for k in means]
+        vals += [weighted[k].reshape(()).double() * local_tokens for k in weighted]
+        vec = torch.stack([*vals, torch.tensor(local_tokens, dtype=torch.float64, device=self.device)])
+        mx = torch.stack([maxima[k].reshape(()).double() for k in maxima]) if maxima else None
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(vec)
+            if mx is not None:
+                dist.all_reduce(mx, op=dist.ReduceOp.MAX)
+        host = vec.tolist()
+        total = max(host[-1], 1e-12)
+        out = {k: host[i] / self.world_size for i, k in enumerate(means)}
+        out.update({k: host[len(means) + i] / total for i, k in enumerate(weighted)})
+        if mx is not None:
+            out.update(zip(maxima, mx.tolist(), strict=True))
+        return out

@@ -1,0 +1,55 @@
+"""Model and optimiser shards in ``torch.distributed.checkpoint`` (DCP) format.
+
+Every trainer rank writes its own FSDP2 shards (``__<rank>_0.distcp``) and rank 0 the global
+``.metadata``, into the checkpoint directory the caller stages (atomicity, manifest, fallback and
+pruning are ``rlkube.runtime.trainer.checkpoint``'s). DCP records every tensor's global shape and
+each shard's offsets, so a checkpoint loads on any number of ranks: a job resumed with a different
+trainer world size reshards on load. With one rank and no process group the same format is written
+by the one process, so a one-process run and a multi-rank run share checkpoints.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+MODEL_FILES_GLOB = "*.distcp"
+METADATA = ".metadata"
+
+
+def _state(stateful: dict[str, tuple[Any, Any]]) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    out: dict[str, Any] = {}
+    for name, (model, optim) in stateful.items():
+        msd, osd = get_state_dict(model, [optim] if optim is not None else [])
+        out[name] = {"model": msd, "optim": osd}
+    return out
+
+
+def save_model_shards(path: str | Path, stateful: dict[str, tuple[Any, Any]]) -> None:
+    """Write ``{name: (model, optimizer)}`` into ``path`` (collective over the trainer ranks)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(_state(stateful), checkpoint_id=str(path))
+
+
+def load_model_shards(path: str | Path, stateful: dict[str, tuple[Any, Any]]) -> None:
+    """Load ``{name: (model, optimizer)}`` from ``path`` in place, resharded to this world."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = _state(stateful)
+    dcp.load(state, checkpoint_id=str(path))
+    for name, (model, optim) in stateful.items():
+        set_state_dict(
+            model,
+            [optim] if optim is not None else [],
+            model_state_dict=state[name]["model"],
+            optim_state_dict=state[name]["optim"],
+        )
+
+
+def has_model_shards(path: str | Path) -> bool:
+    p = Path(path)
+    return (p / METADATA).exists() and any(p.glob(MODEL_FILES_GLOB))
