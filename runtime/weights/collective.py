@@ -156,10 +156,11 @@ class WeightGroupMember:
         self.colls = [join_weight_group(self._store, s, rank, device) for s in specs]
 
     def receive(self, kind: str, apply: Any, device: torch.device | None = None) -> set[str]:
-        """One sync from every source (see :func:`receive_sync`)."""
+        """One sync: a delta from every source, a full sync from trainer rank 0 (see :func:`receive_sync`)."""
         if not self.colls:
             raise RuntimeError("this engine has not joined the job's weight groups")
-        return receive_sync(self.colls, kind, apply, device)
+        colls = self.colls if kind == "delta" else [c for c in self.colls if c.source == 0]
+        return receive_sync(colls, kind, apply, device)
 
 
 def send_stream(coll: Any, buckets: Iterable[WeightBucket]) -> int:
