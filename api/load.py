@@ -59,7 +59,8 @@ def resolve(job: RLJob) -> RLJob:
     """A copy with every effective default written out, so the runtime never guesses.
 
     Fills: async knobs in async modes, the GPU resource name, the default GPU toleration,
-    the colocated rollout's share of the trainer GPUs, and the checkpoint mount path.
+    the colocated rollout's share of the trainer GPUs, the checkpoint mount path, and the advantage
+    estimator, policy loss and loss aggregation `algorithm.name` implies.
     """
     spec = job.spec.model_copy(deep=True)
     if spec.training.mode != "sync" and spec.async_ is None:
@@ -79,6 +80,10 @@ def resolve(job: RLJob) -> RLJob:
         spec.checkpoint.path = DEFAULT_CHECKPOINT_MOUNT
     if spec.model.tokenizer_path is None:
         spec.model.tokenizer_path = spec.model.path
+    algo = spec.algorithm
+    algo.advantage_estimator = algo.effective_advantage_estimator  # type: ignore[assignment]
+    algo.policy_loss = algo.effective_policy_loss  # type: ignore[assignment]
+    algo.loss_aggregation = algo.effective_loss_aggregation  # type: ignore[assignment]
     metadata = {k: job.metadata[k] for k in _KEPT_METADATA if k in job.metadata}
     return RLJob(metadata=metadata, spec=spec)
 

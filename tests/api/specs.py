@@ -123,6 +123,16 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("grpo-group-of-one", merge(minimal(), {"algorithm": {"groupSize": 1}}), "spec.algorithm.groupSize"),
     (
+        "rloo-group-of-one",
+        merge(minimal(), {"algorithm": {"name": "ppo", "advantageEstimator": "rloo", "groupSize": 1}}),
+        "spec.algorithm.groupSize",
+    ),
+    (
+        "gspo-token-mean",
+        merge(minimal(), {"algorithm": {"policyLoss": "gspo", "lossAggregation": "token-mean"}}),
+        "spec.algorithm.lossAggregation",
+    ),
+    (
         "overlong-buffer-too-long",
         merge(
             minimal(),
