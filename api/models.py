@@ -13,8 +13,6 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from rlkube.runtime.platform.env import gpu_resource_name
-
 from .algorithms import (
     AdvantageEstimatorName,
     AlgorithmName,
@@ -25,17 +23,9 @@ from .algorithms import (
     loss_aggregation_for,
     policy_loss_for,
 )
+from .contract import CONDITION_TYPES, PHASES, ConditionStatus, Engine, Phase, Vendor
+from .platform_env import gpu_resource_name
 
-GROUP = "rlkube.io"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "RLJob"
-PLURAL = "rljobs"
-SINGULAR = "rljob"
-SHORT_NAMES = ["rlj"]
-
-Vendor = Literal["amd", "nvidia", "cpu"]
-Engine = Literal["vllm", "sglang", "hf"]
 Mode = Literal["sync", "colocate_async", "separate_async"]
 Strategy = Literal["fsdp2", "megatron"]
 Dtype = Literal["bfloat16", "float16", "float32"]
@@ -43,7 +33,6 @@ KlType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"]
 LrSchedule = Literal["constant", "cosine", "linear"]
 WeightSyncMethod = Literal["full", "delta_sharded"]
 StalePolicy = Literal["drop", "wait"]
-Phase = Literal["Pending", "Provisioning", "Running", "Succeeded", "Failed", "Suspended"]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 
 # Kubernetes quantity (same grammar the API server accepts for resources, kept simple).
@@ -577,10 +566,8 @@ class RLJobSpec(_Model):
 class Condition(_Model):
     """A standard Kubernetes condition."""
 
-    type: str = Field(
-        max_length=316, description="Valid, ClusterReady, Running, Succeeded, Failed, Suspended."
-    )
-    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    type: str = Field(max_length=316, description=", ".join(CONDITION_TYPES) + ".")
+    status: ConditionStatus = Field(description="True, False or Unknown.")
     reason: str = Field(default="", max_length=1024, description="CamelCase reason.")
     message: str = Field(default="", max_length=32768, description="Human-readable detail.")
     last_transition_time: str | None = Field(default=None, description="When status last changed (RFC 3339).")
@@ -621,9 +608,7 @@ class Progress(_Model):
 class RLJobStatus(_Model):
     """Observed state, written by the operator (and progress by the runtime)."""
 
-    phase: Phase | None = Field(
-        default=None, description="Pending, Provisioning, Running, Succeeded, Failed, Suspended."
-    )
+    phase: Phase | None = Field(default=None, description=", ".join(PHASES) + ".")
     observed_generation: int | None = Field(
         default=None, ge=0, description="metadata.generation last acted on."
     )

@@ -13,15 +13,22 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from .algorithms import DEFAULT_ESTIMATOR, GROUP_ESTIMATORS, POLICY_LOSS_AGGREGATION
+from .contract import (
+    CHECKPOINT_MOUNT,
+    CHECKPOINT_VOLUME,
+    CONFIG_DIR,
+    CONFIG_VOLUME,
+    FORBIDDEN_ENV,
+    RESERVED_ENV_PREFIX,
+    SHM_PATH,
+    SHM_VOLUME,
+)
 from .models import RLJob, RLJobSpec, colocated, effective_async
 
 # Volume names and paths the renderer uses itself; user mounts must not collide with them.
-RESERVED_VOLUME_NAMES = frozenset({"dshm", "rljob-config", "checkpoints"})
-RESERVED_MOUNT_PATHS = frozenset({"/dev/shm", "/etc/rlkube"})
-# Env the platform sets and a user must not: visibility conflicts and the status pusher's identity.
-FORBIDDEN_ENV = "ROCR_VISIBLE_DEVICES"
-RESERVED_ENV_PREFIX = "RLKUBE_RLJOB_"
-MAX_RLJOB_NAME = 63  # the name becomes a label value (rlkube.io/rljob) on every child
+RESERVED_VOLUME_NAMES = frozenset({SHM_VOLUME, CONFIG_VOLUME, CHECKPOINT_VOLUME})
+RESERVED_MOUNT_PATHS = frozenset({SHM_PATH, CONFIG_DIR})
+MAX_RLJOB_NAME = 63  # the name becomes a label value (contract.JOB_LABEL) on every child
 
 
 @dataclass(frozen=True)
@@ -284,17 +291,17 @@ RULES: list[Rule] = [
     ),
     Rule(
         "env",
-        "env must not set ROCR_VISIBLE_DEVICES: together with HIP/CUDA_VISIBLE_DEVICES Ray refuses to start, "
+        f"env must not set {FORBIDDEN_ENV}: together with HIP/CUDA_VISIBLE_DEVICES Ray refuses to start, "
         "and rlkube manages GPU visibility; remove it",
         lambda s: all(e.name != FORBIDDEN_ENV for e in s.env),
-        "!has(self.env) || self.env.all(e, e.name != 'ROCR_VISIBLE_DEVICES')",
+        f"!has(self.env) || self.env.all(e, e.name != '{FORBIDDEN_ENV}')",
     ),
     Rule(
         "env",
-        "env must not set RLKUBE_RLJOB_* variables: rlkube sets them so the runtime can report status; "
-        "remove them",
+        f"env must not set {RESERVED_ENV_PREFIX}* variables: rlkube sets them so the runtime can report "
+        "status; remove them",
         lambda s: all(not e.name.startswith(RESERVED_ENV_PREFIX) for e in s.env),
-        "!has(self.env) || self.env.all(e, !e.name.startsWith('RLKUBE_RLJOB_'))",
+        f"!has(self.env) || self.env.all(e, !e.name.startsWith('{RESERVED_ENV_PREFIX}'))",
     ),
     Rule(
         "mounts",
@@ -362,7 +369,7 @@ def _python_only(spec: RLJobSpec) -> list[FieldError]:
 
 
 def _ckpt_path(spec: RLJobSpec) -> str:
-    return (spec.checkpoint.path or "/checkpoints").rstrip("/") or "/"
+    return (spec.checkpoint.path or CHECKPOINT_MOUNT).rstrip("/") or "/"
 
 
 def validate(spec: RLJobSpec) -> list[FieldError]:
