@@ -16,7 +16,15 @@ from typing import Any
 import torch
 
 from rlkube.api import RLJob
-from rlkube.runtime.algos import compute_advantages, kl_in_reward, kl_penalty, masked_mean, overlong_penalty
+from rlkube.runtime.algos import (
+    compute_advantages,
+    kl_in_reward,
+    kl_penalty,
+    masked_mean,
+    overlong_penalty,
+    rollout_correction,
+    scores_to_token_rewards,
+)
 from rlkube.runtime.data import PromptSampler, load_records
 from rlkube.runtime.data.records import Record
 from rlkube.runtime.distributed.ranks import LearnerGroup, split_rows
@@ -161,7 +169,8 @@ class Trainer:
     def train(
         self, samples: Sequence[Sample], timing: dict[str, float], *, step_lr: bool = True
     ) -> dict[str, float]:
-        """old log-prob -> (ref) -> (values) -> advantages -> ppoEpochs x mini-batch updates.
+        """old log-prob -> (rollout correction) -> (ref) -> (values) -> advantages -> ppoEpochs x
+        mini-batch updates.
 
         The batch's prompt groups are put in a fresh random order and split over the trainer ranks
         (:func:`~rlkube.runtime.distributed.ranks.split_rows`: each mini-batch's groups shared
@@ -172,8 +181,9 @@ class Trainer:
 
         The old log-prob pass is skipped when the update is one epoch over one mini-batch (pi_old is
         the current weights: the update uses its own detached log-probs, ratio == 1) and the KL is
-        not in the reward (that needs old log-probs before the advantages); ``actor/kl_ref`` then
-        comes from the update's detached log-probs, which are the same pre-update log-probs.
+        not in the reward (that needs old log-probs before the advantages) and no rollout correction
+        is asked for; ``actor/kl_ref`` then comes from the update's detached log-probs, which are the
+        same pre-update log-probs.
         """
         spec = self.spec
         a = spec.algorithm
@@ -182,7 +192,12 @@ class Trainer:
         n_groups = len(set(batch.group_index.tolist()))
         num_mini = max(1, round(n_groups / spec.training.mini_batch_size))
         kl_type = a.kl.kl_penalty if a.kl.in_reward else a.kl.kl_loss_type
-        old_pass = needs_old_logprob_pass(num_mini, a.ppo_epochs) or (a.kl.in_reward and self.ref is not None)
+        correction = a.effective_rollout_correction
+        old_pass = (
+            needs_old_logprob_pass(num_mini, a.ppo_epochs)
+            or (a.kl.in_reward and self.ref is not None)
+            or correction.mode != "off"  # the weights compare pi_old with the engine before the update
+        )
         # Mini-batches of whole prompt groups, in a fresh random order of groups, split over ranks.
         groups: dict[int, list[int]] = {}
         for i, g in enumerate(batch.group_index.tolist()):
@@ -191,18 +206,15 @@ class Trainer:
         self.rng.shuffle(order)
         plan = split_rows([groups[g] for g in order], num_mini, self.world_size)
         rows = torch.tensor([i for r in plan for i in r], dtype=torch.long)
-        t0 = time.perf_counter()
-        prepared = self.learners.call(
-            "prepare",
-            [
-                (
-                    (batch.select(r),),
-                    {"old": old_pass, "ref": self.ref is not None, "values": self.critic is not None},
-                )
-                for r in plan
-            ],
-        )
-        for key in ("old_logp", "ref_logp", "values"):
+        wants = {
+            "old": old_pass,
+            # rollout correction compares with the engines' raw (temperature-1) log-probs
+            "raw": correction.mode != "off" and self.loss_cfg.temperature != 1.0,
+            "ref": self.ref is not None,
+            "values": self.critic is not None,
+        }
+        prepared = self.learners.call("prepare", [((batch.select(r),), wants) for r in plan])
+        for key in ("old_logp", "raw_logp", "ref_logp", "values"):
             if key in prepared[0]:
                 batch.extras[key] = _unsplit(torch.cat([p[key] for p in prepared]), rows)
         rank0 = prepared[0]["timing"]
@@ -211,21 +223,22 @@ class Trainer:
             timing["ref"] = timing.get("ref", 0.0) + rank0["ref"]
         old_logp = batch.extras.get("old_logp")
         metrics: dict[str, float] = {"actor/old_logprob_pass": float(old_pass)}
+        if correction.mode != "off":
+            assert old_logp is not None
+            metrics.update(self._rollout_correction(batch, batch.extras.pop("raw_logp", old_logp), samples))
         token_rewards = None
         if old_logp is not None and "ref_logp" in batch.extras:
             kl = kl_penalty(old_logp, batch.extras["ref_logp"], kl_type)
             metrics["actor/kl_ref"] = float(masked_mean(kl, mask))
         t0 = time.perf_counter()
         if a.kl.in_reward and self.ref is not None:
-            from rlkube.runtime.algos import scores_to_token_rewards
-
             base = scores_to_token_rewards(batch.scores, mask)
             assert old_logp is not None  # the KL in the reward always takes the old log-prob pass
             kl = kl_penalty(old_logp, batch.extras["ref_logp"], a.kl.kl_penalty)
             token_rewards = kl_in_reward(base, kl, a.kl.kl_coef, mask)
         if self.critic is not None:
             adv, returns = compute_advantages(
-                "gae",
+                a.effective_advantage_estimator,
                 mask=mask,
                 scores=batch.scores,
                 token_rewards=token_rewards,
@@ -236,7 +249,7 @@ class Trainer:
             batch.extras["returns"] = returns
         else:
             adv, _ = compute_advantages(
-                a.name,
+                a.effective_advantage_estimator,
                 mask=mask,
                 scores=None if token_rewards is not None else batch.scores,
                 token_rewards=token_rewards,
@@ -244,6 +257,8 @@ class Trainer:
                 norm_by_std=a.norm_adv_by_std,
             )
         batch.extras["advantages"] = adv
+        if "rollout_loss_mask" in batch.extras:  # mis: the tokens outside [1/C, C] leave the loss
+            batch.response_mask = batch.extras.pop("rollout_loss_mask")
         timing["adv"] = timing.get("adv", 0.0) + time.perf_counter() - t0
         t0 = time.perf_counter()
         updated = self.learners.call(
@@ -255,10 +270,34 @@ class Trainer:
             # the update's detached log-probs are the pre-update (old) ones
             on_policy_logp = _unsplit(torch.cat([u[1] for u in updated]), rows)
             kl = kl_penalty(on_policy_logp, batch.extras["ref_logp"], kl_type)
-            metrics["actor/kl_ref"] = float(masked_mean(kl, mask))
+            metrics["actor/kl_ref"] = float(masked_mean(kl, batch.response_mask))
         metrics["actor/updates"] = float(num_mini * a.ppo_epochs)
         metrics["trainer/world_size"] = float(self.world_size)
         return metrics
+
+    def _rollout_correction(
+        self, batch: Batch, trainer_logp: torch.Tensor, samples: Sequence[Sample]
+    ) -> dict[str, float]:
+        """Put the rollout-correction weights and the loss mask (fewer tokens for mis) in
+        ``batch.extras``; return the ``rollout_corr/*`` metrics. Advantages still see every token.
+
+        The engines report raw (temperature-1) log-probs, so ``trainer_logp`` is taken at
+        temperature 1 too (the ranks ran one more forward when the sampling temperature is not 1).
+        """
+        rc = self.spec.algorithm.effective_rollout_correction
+        rollout_logp = batch.extras.get("rollout_logp")
+        if rollout_logp is None:
+            bad = next(s for s in samples if len(s.rollout_logprobs) != len(s.response_ids))
+            raise ValueError(
+                "algorithm.rolloutCorrection needs the engine's log-prob of every response token, but "
+                f"sample {bad.group!r} has {len(bad.rollout_logprobs)} for {len(bad.response_ids)} tokens "
+                f"(rollout.engine {self.spec.rollout.engine}): use an engine that returns them or remove "
+                "rolloutCorrection"
+            )
+        corr = rollout_correction(trainer_logp, rollout_logp, batch.response_mask, rc.mode, rc.threshold)
+        batch.extras["rollout_is_weights"] = corr.weights
+        batch.extras["rollout_loss_mask"] = corr.mask
+        return corr.as_dict()
 
     # -- weights -----------------------------------------------------------------------------
     def weight_buckets(self, version: int) -> list[Any]:

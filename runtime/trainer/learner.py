@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from rlkube.api import RLJobSpec
+from rlkube.api.algorithms import CRITIC_ESTIMATORS
 from rlkube.runtime.trainer.batch import Batch
 from rlkube.runtime.trainer.critic import CriticWorker
 from rlkube.runtime.trainer.policy import PolicyWorker
@@ -31,7 +32,11 @@ def loss_config(spec: RLJobSpec) -> LossConfig:
         clip_low=a.clip_ratio_low,
         clip_high=a.clip_ratio_high,
         clip_c=a.clip_ratio_c if a.clip_ratio_c > 1.0 else None,
-        agg_mode=a.loss_aggregation,
+        policy_loss=a.effective_policy_loss,
+        agg_mode=a.effective_loss_aggregation,
+        # verl pads every response to data.maxResponseLength, so that is its default Dr. GRPO H;
+        # batches here are padded to their longest response only: pass H explicitly.
+        norm_constant=float(spec.data.max_response_length),
         entropy_coeff=a.entropy_coeff,
         use_kl_loss=a.kl.use_kl_loss,
         kl_loss_coef=a.kl.kl_loss_coef,
@@ -102,7 +107,7 @@ class Learner:
                 bf16=bf16,
                 micro_batch_size=mbs,
             )
-            if a.name == "ppo"
+            if a.effective_advantage_estimator in CRITIC_ESTIMATORS
             else None
         )
         self.sender = WeightSender(
@@ -112,12 +117,17 @@ class Learner:
         self._store: Any = None  # rank 0: the store the weight groups meet in
 
     # -- the step ----------------------------------------------------------------------------
-    def prepare(self, shard: Batch, *, old: bool, ref: bool, values: bool) -> dict[str, Any]:
-        """This rank's pre-update passes: old log-probs, reference log-probs, values (CPU tensors)."""
+    def prepare(
+        self, shard: Batch, *, old: bool, ref: bool, values: bool, raw: bool = False
+    ) -> dict[str, Any]:
+        """This rank's pre-update passes: old log-probs (and at temperature 1 with ``raw``, what
+        rollout correction compares with the engines'), reference log-probs, values (CPU tensors)."""
         out: dict[str, Any] = {"timing": {}}
         if old:
             t0 = time.perf_counter()
             out["old_logp"], _ = self.actor.compute_logprobs(shard)
+            if raw:
+                out["raw_logp"], _ = self.actor.compute_logprobs(shard, temperature=1.0)
             out["timing"]["old_log_prob"] = time.perf_counter() - t0
         if ref and self.ref is not None:
             t0 = time.perf_counter()

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from rlkube.api import RLJob, total_gpus
+from rlkube.api.contract import ENV_RLJOB_NAME, ENV_RLJOB_NAMESPACE
 from rlkube.runtime.distributed.ranks import TrainerRank
 from rlkube.runtime.distributed.remote import EngineHost
 from rlkube.runtime.trainer.loop import RunResult
@@ -32,8 +33,8 @@ log = logging.getLogger(__name__)
 
 # Env every actor gets: never the repo root on sys.path, one thread per process on shared CPUs.
 _PASS_ENV = (
-    "RLKUBE_RLJOB_NAME",
-    "RLKUBE_RLJOB_NAMESPACE",
+    ENV_RLJOB_NAME,
+    ENV_RLJOB_NAMESPACE,
     "RLKUBE_KUBECONFIG",
     "KUBECONFIG",
     "RLKUBE_PLATFORM",

@@ -37,13 +37,23 @@ class LossConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2
     clip_c: float | None = 3.0
+    policy_loss: str = "vanilla"  # a name in rlkube.runtime.algos.POLICY_LOSSES
     agg_mode: str = "token-mean"
+    norm_constant: float | None = None  # seq-mean-token-sum-norm's H (the max response length)
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     temperature: float = 1.0
     value_clip: float = 0.2
+
+    def __post_init__(self) -> None:
+        from rlkube.runtime.algos import POLICY_LOSSES
+
+        if self.policy_loss not in POLICY_LOSSES:
+            raise ValueError(
+                f"unknown policy loss {self.policy_loss!r}; expected one of {', '.join(POLICY_LOSSES)}"
+            )
 
 
 def lr_lambda(cfg: OptimConfig) -> Any:
