@@ -302,7 +302,11 @@ class TrainerSpec(_Model):
 
     replicas: int = Field(default=1, ge=1, le=1024, description="Trainer pods (Ray worker replicas).")
     gpus_per_replica: int = Field(
-        default=1, ge=0, le=64, description="GPUs per trainer pod (0 only with gpu.vendor cpu)."
+        default=1,
+        ge=0,
+        le=64,
+        description="GPUs per trainer pod: one trainer rank each. With gpu.vendor cpu: CPU ranks per "
+        "pod (0 counts as 1), so a CPU spec has the process layout of its GPU twin.",
     )
     strategy: Strategy = Field(
         default="fsdp2",
@@ -332,14 +336,16 @@ class RolloutSpec(_Model):
         default=1,
         ge=1,
         le=1024,
-        description="Rollout pods in separate_async; engine instances when colocated.",
+        description="Rollout pods in separate_async. Colocated modes run one engine per "
+        "tensorParallelSize trainer GPUs (all of them, or replicas x gpusPerReplica when set).",
     )
     gpus_per_replica: int | None = Field(
         default=None,
         ge=0,
         le=64,
-        description="GPUs per rollout pod; required in separate_async. Colocated modes share the "
-        "trainer GPUs (default: all of them).",
+        description="GPUs per rollout pod (gpusPerReplica / tensorParallelSize engines each); required "
+        "in separate_async. Colocated modes share the trainer GPUs (default: all of them). With "
+        "gpu.vendor cpu: CPU ranks per pod (unset or 0 counts as 1).",
     )
     tensor_parallel_size: int = Field(default=1, ge=1, le=64, description="GPUs per engine instance.")
     gpu_memory_utilization: float = Field(

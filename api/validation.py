@@ -150,15 +150,39 @@ RULES: list[Rule] = [
     ),
     Rule(
         "rollout.tensorParallelSize",
-        "in sync/colocate_async the rollout shares the trainer GPUs: trainer.gpusPerReplica must be a "
-        "multiple of rollout.tensorParallelSize; lower tensorParallelSize or use separate_async",
+        "in separate_async each rollout pod runs rollout.gpusPerReplica / tensorParallelSize engines: "
+        "rollout.gpusPerReplica (1 when unset on gpu.vendor cpu) must be a multiple of "
+        "rollout.tensorParallelSize; lower tensorParallelSize or raise gpusPerReplica",
         lambda s: (
-            not colocated(s)
-            or s.gpu.vendor == "cpu"
-            or s.trainer.gpus_per_replica % s.rollout.tensor_parallel_size == 0
+            not _separate(s) or max(s.rollout.gpus_per_replica or 0, 1) % s.rollout.tensor_parallel_size == 0
         ),
-        "self.training.mode == 'separate_async' || self.gpu.vendor == 'cpu' || "
-        "self.trainer.gpusPerReplica % self.rollout.tensorParallelSize == 0",
+        "self.training.mode != 'separate_async' || (has(self.rollout.gpusPerReplica) && "
+        "self.rollout.gpusPerReplica > 0 && self.rollout.gpusPerReplica % self.rollout.tensorParallelSize "
+        "== 0) || ((!has(self.rollout.gpusPerReplica) || self.rollout.gpusPerReplica == 0) && "
+        "self.rollout.tensorParallelSize == 1)",
+    ),
+    Rule(
+        "rollout.tensorParallelSize",
+        "in sync/colocate_async the rollout shares the trainer GPUs: trainer.gpusPerReplica (1 when 0 on "
+        "gpu.vendor cpu) must be a multiple of rollout.tensorParallelSize; lower tensorParallelSize or use "
+        "separate_async",
+        lambda s: (
+            not colocated(s) or max(s.trainer.gpus_per_replica, 1) % s.rollout.tensor_parallel_size == 0
+        ),
+        "self.training.mode == 'separate_async' || (self.trainer.gpusPerReplica > 0 && "
+        "self.trainer.gpusPerReplica % self.rollout.tensorParallelSize == 0) || "
+        "(self.trainer.gpusPerReplica == 0 && self.rollout.tensorParallelSize == 1)",
+    ),
+    Rule(
+        "training.miniBatchSize",
+        "every trainer rank takes an equal share of each mini-batch's prompt groups: "
+        "training.miniBatchSize must be a multiple of the trainer ranks (trainer.replicas x "
+        "trainer.gpusPerReplica, 0 counting as 1); raise miniBatchSize (and trainBatchSize) or use "
+        "fewer trainer GPUs",
+        lambda s: s.training.mini_batch_size % (s.trainer.replicas * max(s.trainer.gpus_per_replica, 1)) == 0,
+        "(self.trainer.gpusPerReplica > 0 && self.training.miniBatchSize % (self.trainer.replicas * "
+        "self.trainer.gpusPerReplica) == 0) || (self.trainer.gpusPerReplica == 0 && "
+        "self.training.miniBatchSize % self.trainer.replicas == 0)",
     ),
     Rule(
         "rollout.gpusPerReplica",
@@ -212,21 +236,9 @@ RULES: list[Rule] = [
     ),
     Rule(
         "trainer.gpusPerReplica",
-        "gpu.vendor cpu runs without GPUs: set trainer.gpusPerReplica: 0",
-        lambda s: s.gpu.vendor != "cpu" or s.trainer.gpus_per_replica == 0,
-        "self.gpu.vendor != 'cpu' || self.trainer.gpusPerReplica == 0",
-    ),
-    Rule(
-        "trainer.gpusPerReplica",
         "trainer.gpusPerReplica must be at least 1 on GPUs (0 only with gpu.vendor cpu)",
         lambda s: s.gpu.vendor == "cpu" or s.trainer.gpus_per_replica >= 1,
         "self.gpu.vendor == 'cpu' || self.trainer.gpusPerReplica >= 1",
-    ),
-    Rule(
-        "rollout.gpusPerReplica",
-        "gpu.vendor cpu runs without GPUs: set rollout.gpusPerReplica: 0 or leave it unset",
-        lambda s: s.gpu.vendor != "cpu" or not s.rollout.gpus_per_replica,
-        "self.gpu.vendor != 'cpu' || !has(self.rollout.gpusPerReplica) || self.rollout.gpusPerReplica == 0",
     ),
     Rule(
         "rollout.gpusPerReplica",

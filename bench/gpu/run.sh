@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # `make bench-gpu`: the GPU benchmarks, run on a GPU machine (here: through the device tool, one
 # H200 with torch but no rlkube install, no Ray, no vLLM, no network).
-#   bash bench/gpu/run.sh [weights] [rollout] [trainer]      (default: all three)
-# Extra arguments per bench: WEIGHTS_ARGS, ROLLOUT_ARGS, TRAINER_ARGS (e.g. ROLLOUT_ARGS="--sizes 0.5b").
+#   bash bench/gpu/run.sh [weights] [rollout] [trainer] [ipc]   (default: the first three)
+# Extra arguments per bench: WEIGHTS_ARGS, ROLLOUT_ARGS, TRAINER_ARGS, IPC_ARGS (e.g. ROLLOUT_ARGS="--sizes 0.5b").
 # Results: $OUT/<name>.json when OUT is set (the device tool), else bench/results/.
 set -uo pipefail
 top=$(cd "$(dirname "$0")/../.." && pwd)
@@ -35,6 +35,7 @@ for bench in ${*:-weights rollout trainer}; do
     weights) python3 "$top/bench/gpu/weights_gpu.py" --out "$out/weights-gpu.json" ${WEIGHTS_ARGS:-} || status=1 ;;
     rollout) OUT=$out python3 "$top/bench/gpu/rollout_gpu.py" ${ROLLOUT_ARGS:-} > "$out/rollout-gpu.stdout.json" || status=1 ;;
     trainer) OUT=$out python3 "$top/bench/gpu/trainer_gpu.py" ${TRAINER_ARGS:-} > "$out/trainer-gpu.stdout.json" || status=1 ;;
+    ipc) OUT=$out python3 "$top/bench/gpu/ipc_gpu.py" ${IPC_ARGS:-} > "$out/ipc-gpu.stdout.json" || status=1 ;;
     *) echo "unknown bench $bench"; status=2 ;;
   esac
 done

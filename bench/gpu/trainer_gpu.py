@@ -45,7 +45,7 @@ def _import_rlkube() -> None:
     sys.modules["rlkube"] = pkg
     import importlib.util
 
-    for name, folder in (("rlkube.runtime", top / "runtime"), ("rlkube.api", top / "runtime" / "api")):
+    for name, folder in (("rlkube.runtime", top / "runtime"), ("rlkube.api", top / "api")):
         spec = importlib.util.spec_from_file_location(
             name, folder / "__init__.py", submodule_search_locations=[str(folder)]
         )
@@ -86,10 +86,12 @@ def decode_bound(model: Any, batch: int, prompt: int, new: int, bw: float) -> fl
 
 def rlkube_grpo(size: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     from rlkube.runtime.algos import compute_advantages
+    from rlkube.runtime.distributed.ranks import LearnerGroup, split_rows
     from rlkube.runtime.models.tiny import make_qwen2_like
     from rlkube.runtime.rollout.base import RolloutRequest, SamplingParams
     from rlkube.runtime.rollout.hf import HFEngine
     from rlkube.runtime.trainer.batch import Sample, collate
+    from rlkube.runtime.trainer.learner import Learner
     from rlkube.runtime.trainer.policy import PolicyWorker, needs_old_logprob_pass
     from rlkube.runtime.trainer.worker import LossConfig, OptimConfig
     from rlkube.runtime.weights import WeightSender
@@ -134,6 +136,8 @@ def rlkube_grpo(size: str, args: argparse.Namespace, device: torch.device) -> di
         loss=LossConfig(),
     )
     sender = WeightSender(bucket_megabytes=512, dtype=dtype)
+    # The trainer's one-rank path: the Learner behind the rank group, rows split by whole groups.
+    group = LearnerGroup(Learner.from_workers(actor, sender))
     g = torch.Generator().manual_seed(0)
     steps = []
     peak_flops = 989e12 if device.type == "cuda" else None
@@ -177,9 +181,26 @@ def rlkube_grpo(size: str, args: argparse.Namespace, device: torch.device) -> di
             "grpo", mask=batch.response_mask, scores=batch.scores, group_index=batch.group_index
         )
         batch.extras["advantages"] = adv
-        actor.update(batch, num_mini_batches=num_mini, epochs=epochs)
+        # After the warm-up step, alternate the rank-group path (what Trainer.train runs) with a
+        # direct worker call (the path before trainer ranks existed): same run, same model.
+        path = (
+            "group"
+            if args.update_path == "group" or (args.update_path == "both" and step % 2 == 1)
+            else "direct"
+        )
+        t_up = time.perf_counter()
+        if path == "group":
+            rows: dict[int, list[int]] = {}
+            for i, gi in enumerate(batch.group_index.tolist()):
+                rows.setdefault(gi, []).append(i)
+            (plan,) = split_rows(list(rows.values()), num_mini, 1)
+            group.call("update", [((batch.select(plan), num_mini, epochs, True), {})])
+        else:
+            actor.update(batch, num_mini_batches=num_mini, epochs=epochs)
+            actor.lr_step()
         if device.type == "cuda":
             torch.cuda.synchronize()
+        t_update = time.perf_counter() - t_up
         t_train = time.perf_counter() - t0
         t0 = time.perf_counter()
         if args.weight_sync == "direct":  # what the trainer does in one process (full sync)
@@ -200,6 +221,8 @@ def rlkube_grpo(size: str, args: argparse.Namespace, device: torch.device) -> di
                 "train_s": t_train,
                 "old_logprob_s": t_old,
                 "sync_s": t_sync,
+                "update_path": path,
+                "update_s": t_update,
                 "rollout_tokens_per_s": resp / t_gen,
                 "train_tokens_per_s": total / t_train,
                 "e2e_completion_tokens_per_s": resp / dt,
@@ -213,7 +236,15 @@ def rlkube_grpo(size: str, args: argparse.Namespace, device: torch.device) -> di
     engine.shutdown()
     bw = copy_bandwidth(device)
     timed = steps[1:] if len(steps) > 1 else steps  # first step warms up kernels / graphs
-    avg = {k: sum(s[k] for s in timed) / len(timed) for k in timed[0] if timed[0][k] is not None}
+    avg = {
+        k: sum(s[k] for s in timed) / len(timed)
+        for k in timed[0]
+        if isinstance(timed[0][k], (int, float)) and not isinstance(timed[0][k], bool)
+    }
+    by_path = {p: [s["update_s"] for s in timed if s["update_path"] == p] for p in ("group", "direct")}
+    update_paths = {f"update_{p}_s": sum(v) / len(v) for p, v in by_path.items() if v}
+    if len(update_paths) == 2:
+        update_paths["group_over_direct"] = update_paths["update_group_s"] / update_paths["update_direct_s"]
     bound = decode_bound(eng_model, args.prompts * args.group, args.prompt_len, args.new_tokens, bw)
     return {
         "size": size,
@@ -222,6 +253,7 @@ def rlkube_grpo(size: str, args: argparse.Namespace, device: torch.device) -> di
         "compile_error": compile_error[-3000:] if compile_error else None,
         "weight_sync": args.weight_sync,
         "old_logprob_pass": old_pass,
+        "update_paths": update_paths,
         "steps": steps,
         "mean_after_warmup": avg,
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
@@ -331,9 +363,15 @@ def main() -> int:
         default="direct",
         help="full sync by direct copy (the trainer's in-process path) or checksummed buckets",
     )
+    p.add_argument(
+        "--update-path",
+        choices=["both", "group", "direct"],
+        default="both",
+        help="update through the rank group (Learner), by a direct worker call, or both alternating",
+    )
     args = p.parse_args()
     if args.smoke:
-        args.sizes, args.steps, args.prompts, args.group = "tiny", 2, 2, 2
+        args.sizes, args.steps, args.prompts, args.group = "tiny", 3, 2, 2
         args.prompt_len, args.new_tokens, args.micro_batch, args.no_trl = 8, 8, 4, True
         torch.set_num_threads(1)
     _import_rlkube()

@@ -10,6 +10,9 @@ by the one process, so a one-process run and a multi-rank run share checkpoints.
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,37 +20,52 @@ MODEL_FILES_GLOB = "*.distcp"
 METADATA = ".metadata"
 
 
-def _state(stateful: dict[str, tuple[Any, Any]]) -> dict[str, Any]:
+def _state(stateful: dict[str, tuple[Any, Any, Any]]) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     out: dict[str, Any] = {}
-    for name, (model, optim) in stateful.items():
+    for name, (model, optim, sched) in stateful.items():
         msd, osd = get_state_dict(model, [optim] if optim is not None else [])
         out[name] = {"model": msd, "optim": osd}
+        if sched is not None:  # the same on every rank: DCP stores one copy
+            out[name]["scheduler"] = sched.state_dict()
     return out
 
 
-def save_model_shards(path: str | Path, stateful: dict[str, tuple[Any, Any]]) -> None:
-    """Write ``{name: (model, optimizer)}`` into ``path`` (collective over the trainer ranks)."""
+def save_model_shards(path: str | Path, stateful: dict[str, tuple[Any, Any, Any]]) -> None:
+    """Write ``{name: (model, optimizer, lr scheduler)}`` into ``path`` (collective over the ranks)."""
     import torch.distributed.checkpoint as dcp
 
-    dcp.save(_state(stateful), checkpoint_id=str(path))
+    with _one_process_quiet():
+        dcp.save(_state(stateful), checkpoint_id=str(path))
 
 
-def load_model_shards(path: str | Path, stateful: dict[str, tuple[Any, Any]]) -> None:
-    """Load ``{name: (model, optimizer)}`` from ``path`` in place, resharded to this world."""
+def load_model_shards(path: str | Path, stateful: dict[str, tuple[Any, Any, Any]]) -> None:
+    """Load ``{name: (model, optimizer, lr scheduler)}`` from ``path`` in place, resharded to this
+    world (collective over the ranks)."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = _state(stateful)
-    dcp.load(state, checkpoint_id=str(path))
-    for name, (model, optim) in stateful.items():
+    with _one_process_quiet():
+        dcp.load(state, checkpoint_id=str(path))
+    for name, (model, optim, sched) in stateful.items():
         set_state_dict(
             model,
             [optim] if optim is not None else [],
             model_state_dict=state[name]["model"],
             optim_state_dict=state[name]["optim"],
         )
+        if sched is not None:
+            sched.load_state_dict(state[name]["scheduler"])
+
+
+@contextlib.contextmanager
+def _one_process_quiet() -> Iterator[None]:
+    """DCP warns on every call without a process group; one rank and no group is meant here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def has_model_shards(path: str | Path) -> bool:

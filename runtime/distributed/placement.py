@@ -30,27 +30,29 @@ class Placement:
     rollout_bundles: list[dict[str, float]] = field(default_factory=list)  # empty when colocated
 
     def rank_resources(self) -> dict[str, float]:
-        """What one trainer rank takes from its bundle (half a device when an engine shares it)."""
-        share = 0.5 if self.layout.colocated else 1.0
-        res = {self.trainer_group: share}
+        """What one trainer rank takes from its bundle: one device (and, colocated, half the pod
+        share, the engines taking the other half)."""
+        res = {self.trainer_group: 0.5 if self.layout.colocated else 1.0}
         if self.gpus:
-            res["GPU"] = share
+            res["GPU"] = 1.0
         return res
 
     def engine_resources(self) -> dict[str, float]:
-        """What one engine takes from its bundle: ``tp`` devices (half of each when colocated)."""
+        """What one engine takes from its bundle: ``tp`` devices in separate_async. Colocated, the
+        devices belong to the trainer ranks (Ray would pack two half-GPU ranks onto one GPU): the
+        engine takes no GPU from Ray and is pinned to its ranks' devices (:func:`engine_env`)."""
         tp = self.layout.tp
         if self.layout.colocated:
-            res = {self.trainer_group: 0.5 * tp}
-            # Ray hands out fractional GPUs only below one; a colocated engine spanning several
-            # GPUs takes none from Ray and is given its trainer ranks' devices instead.
-            if self.gpus and tp == 1:
-                res["GPU"] = 0.5
-            return res
+            return {self.trainer_group: 0.5 * tp}
         res = {self.rollout_group: float(tp)}
         if self.gpus:
             res["GPU"] = float(tp)
         return res
+
+    def colocated_ranks(self, engine: int) -> range:
+        """The trainer ranks whose devices a colocated engine shares."""
+        tp = self.layout.tp
+        return range(engine * tp, (engine + 1) * tp)
 
     def rank_bundle(self, rank: int) -> int:
         return self.layout.trainer_pod_of(rank)
@@ -123,3 +125,12 @@ def actor_options(group: Any, bundle: int, resources: dict[str, float]) -> dict[
     if res:
         opts["resources"] = res
     return opts
+
+
+def engine_env(visible_var: str | None, rank_devices: list[list[str]]) -> dict[str, str]:
+    """A colocated engine's visibility env: the devices of its trainer ranks (Ray leaves an actor
+    that asked for no GPU alone), in the platform's visible-devices variable."""
+    if visible_var is None:
+        return {}
+    ids = [d for devs in rank_devices for d in devs]
+    return {visible_var: ",".join(ids)} if ids else {}

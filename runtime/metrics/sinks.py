@@ -40,7 +40,7 @@ class JsonlSink:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._f = self.path.open("a", encoding="utf-8")
 
-    def write(self, step: int, metrics: dict[str, float]) -> None:
+    def write(self, step: int, metrics: dict[str, Any]) -> None:
         import os
 
         self._f.write(json.dumps({"step": step, **metrics}, sort_keys=True) + "\n")
@@ -134,10 +134,13 @@ class MetricsLogger:
         self.sinks = list(sinks)
 
     def log(self, step: int, metrics: dict[str, Any]) -> dict[str, float]:
+        """Finite numbers go to every sink; short text labels (``weight_sync/transport``) to the
+        JSONL record only. Returns the numbers."""
         clean = _clean(metrics)
+        labels = {k: v for k, v in metrics.items() if isinstance(v, str)}
         for s in list(self.sinks):
             try:
-                s.write(step, clean)
+                s.write(step, {**clean, **labels} if isinstance(s, JsonlSink) else clean)
             except Exception as e:
                 if isinstance(s, JsonlSink):
                     raise

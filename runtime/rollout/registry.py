@@ -14,10 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from rlkube.api import RLJobSpec
-from rlkube.api.contract import Engine
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the engines themselves run without the API's pydantic (GPU benchmarks)
+    from rlkube.api import RLJobSpec
+    from rlkube.api.contract import Engine
     from rlkube.runtime.rollout.base import RolloutEngine
 
 ModelPath = Literal["required", "optional", "none"]

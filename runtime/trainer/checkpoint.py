@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,8 +38,12 @@ def save_checkpoint(
     state: dict[str, Any],
     replay: list[dict[str, Any]] | None = None,
     keep: int = 3,
+    write_shards: Callable[[Path], None] | None = None,
 ) -> Path:
-    """Write checkpoint ``step`` atomically and prune all but the newest ``keep``."""
+    """Write checkpoint ``step`` atomically and prune all but the newest ``keep``.
+
+    ``write_shards(dir)`` writes the trainer ranks' model/optimiser shards (DCP) into the staged
+    directory before it is renamed into place."""
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{PREFIX}{step:06d}"
@@ -46,6 +51,8 @@ def save_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
+    if write_shards is not None:
+        write_shards(tmp)
     with (tmp / "state.pt").open("wb") as f:
         torch.save(state, f)
         f.flush()
@@ -78,12 +85,17 @@ def list_checkpoints(root: str | Path) -> list[Path]:
     return sorted(out, key=lambda p: int(p.name[len(PREFIX) :]))
 
 
-def load_latest(root: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
-    """(state, replay samples) of the newest checkpoint, or None."""
+def load_latest(
+    root: str | Path, load_shards: Callable[[Path], None] | None = None
+) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
+    """(state, replay samples) of the newest checkpoint, or None; ``load_shards(dir)`` reads the
+    ranks' model/optimiser shards from it."""
     ckpts = list_checkpoints(root)
     if not ckpts:
         return None
     path = ckpts[-1]
     state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
     replay = json.loads((path / "replay.json").read_text()).get("samples", [])
+    if load_shards is not None:
+        load_shards(path)
     return state, replay

@@ -11,6 +11,7 @@ import random
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,7 +31,7 @@ from rlkube.runtime.data.records import Record
 from rlkube.runtime.distributed.ranks import LearnerGroup, split_rows
 from rlkube.runtime.rewards import get_reward_fn
 from rlkube.runtime.rollout.base import Completion, RolloutRequest, SamplingParams
-from rlkube.runtime.trainer.batch import Sample, collate
+from rlkube.runtime.trainer.batch import Batch, Sample, collate
 from rlkube.runtime.trainer.learner import Learner, loss_config
 from rlkube.runtime.trainer.policy import needs_old_logprob_pass
 
@@ -342,14 +343,14 @@ class Trainer:
 
     # -- state -------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Everything a resume needs except the replay buffer (the driver adds it)."""
+        """Rank 0's part of a resume: counters, prompt stream, RNG (the replay buffer is the
+        driver's; models, optimisers and schedulers are every rank's shards: :meth:`save_models`)."""
         return {
             "step": self.step,
             "version": self.version,
             "prompts_drawn": self.prompts_drawn,
             "sampler": self.sampler.state_dict(),
-            "actor": self.actor.state_dict(),
-            "critic": self.critic.state_dict() if self.critic is not None else None,
+            "world_size": self.world_size,
             "rng": {
                 "python": self.rng.getstate(),
                 "torch": torch.get_rng_state(),
@@ -362,14 +363,20 @@ class Trainer:
         self.version = int(state["version"])
         self.prompts_drawn = int(state["prompts_drawn"])
         self.sampler.load_state_dict(state["sampler"])
-        self.actor.load_state_dict(state["actor"])
-        if self.critic is not None and state.get("critic") is not None:
-            self.critic.load_state_dict(state["critic"])
         rng = state["rng"]
         self.rng.setstate(_as_state(rng["python"]))
         random.setstate(_as_state(rng["global_python"]))
         torch.set_rng_state(rng["torch"])
-        self.sender.reset()  # the engine starts from the checkpoint's weights: first sync is dense
+
+    def save_models(self, path: str | Path) -> None:
+        """Every rank writes its shards of the models, optimisers and schedulers into ``path``
+        (a directory all ranks reach: a shared volume when the ranks span pods)."""
+        self.learners.call_all("save_shards", str(path))
+
+    def load_models(self, path: str | Path) -> None:
+        """Every rank reads its shards back, resharded to this world size (a checkpoint written by
+        N ranks resumes on M); senders restart dense, as the engines load the checkpoint's weights."""
+        self.learners.call_all("load_shards", str(path))
 
 
 def _as_state(s: Any) -> Any:

@@ -119,15 +119,3 @@ class CriticWorker(TrainWorker):
 
     def lr_step(self) -> None:
         self.scheduler.step()
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "model": {k: v.detach().cpu() for k, v in self.model.state_dict().items()},
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.model.load_state_dict(state["model"])
-        self.optimizer.load_state_dict(state["optimizer"])
-        self.scheduler.load_state_dict(state["scheduler"])

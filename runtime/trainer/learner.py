@@ -13,17 +13,18 @@ from __future__ import annotations
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 
-from rlkube.api import RLJobSpec
-from rlkube.api.algorithms import CRITIC_ESTIMATORS
 from rlkube.runtime.trainer.batch import Batch
 from rlkube.runtime.trainer.critic import CriticWorker
 from rlkube.runtime.trainer.policy import PolicyWorker
 from rlkube.runtime.trainer.worker import LossConfig, OptimConfig
+
+if TYPE_CHECKING:  # the API (pydantic) is not needed to run a Learner built from workers
+    from rlkube.api import RLJobSpec
 
 
 def loss_config(spec: RLJobSpec) -> LossConfig:
@@ -67,9 +68,9 @@ class Learner:
     """The models of one trainer rank (see the module docstring)."""
 
     def __init__(self, spec: RLJobSpec, *, device: str | None = None) -> None:
+        from rlkube.api.algorithms import CRITIC_ESTIMATORS
         from rlkube.runtime.weights import WeightSender
 
-        self.spec = spec
         a, t = spec.algorithm, spec.training
         torch.manual_seed(t.seed)
         self.loss_cfg = loss_config(spec)
@@ -115,6 +116,22 @@ class Learner:
         )
         self.weights: dict[int, Any] = {}  # source rank -> its weight group, once joined
         self._store: Any = None  # rank 0: the store the weight groups meet in
+
+    @classmethod
+    def from_workers(
+        cls,
+        actor: PolicyWorker,
+        sender: Any,
+        ref: PolicyWorker | None = None,
+        critic: CriticWorker | None = None,
+    ) -> Learner:
+        """A Learner around workers built elsewhere (benchmarks: in-memory models, no spec)."""
+        self = cls.__new__(cls)
+        self.loss_cfg = actor.loss_cfg
+        self.actor, self.ref, self.critic, self.sender = actor, ref, critic, sender
+        self.rank, self.world_size, self.device = actor.rank, actor.world_size, actor.device
+        self.weights, self._store = {}, None
+        return self
 
     # -- the step ----------------------------------------------------------------------------
     def prepare(
@@ -221,7 +238,7 @@ class Learner:
 
     # -- checkpoints -------------------------------------------------------------------------
     def save_shards(self, path: str | Path) -> None:
-        """Write this rank's shards of the models and optimisers into ``path`` (collective)."""
+        """Write this rank's shards of the models, optimisers and schedulers into ``path`` (collective)."""
         from rlkube.runtime.distributed.checkpoint import save_model_shards
 
         save_model_shards(path, self._stateful())
@@ -233,22 +250,12 @@ class Learner:
         load_model_shards(path, self._stateful())
         self.sender.reset()  # engines start from the checkpoint's weights: the first sync is dense
 
-    def scheduler_state(self) -> dict[str, Any]:
-        """LR schedulers (the same on every rank; rank 0's goes into the checkpoint)."""
-        assert self.actor.scheduler is not None
-        state = {"actor": self.actor.scheduler.state_dict()}
+    def _stateful(self) -> dict[str, tuple[Any, Any, Any]]:
+        """What a checkpoint holds of this rank: models, optimisers, LR schedulers (the reference
+        policy is frozen at spec.model.path and needs nothing)."""
+        out: dict[str, tuple[Any, Any, Any]] = {
+            "actor": (self.actor.model, self.actor.optimizer, self.actor.scheduler)
+        }
         if self.critic is not None:
-            state["critic"] = self.critic.scheduler.state_dict()
-        return state
-
-    def load_scheduler_state(self, state: dict[str, Any]) -> None:
-        assert self.actor.scheduler is not None
-        self.actor.scheduler.load_state_dict(state["actor"])
-        if self.critic is not None and "critic" in state:
-            self.critic.scheduler.load_state_dict(state["critic"])
-
-    def _stateful(self) -> dict[str, tuple[Any, Any]]:
-        out: dict[str, tuple[Any, Any]] = {"actor": (self.actor.model, self.actor.optimizer)}
-        if self.critic is not None:
-            out["critic"] = (self.critic.model, self.critic.optimizer)
+            out["critic"] = (self.critic.model, self.critic.optimizer, self.critic.scheduler)
         return out

@@ -123,7 +123,7 @@ def run_loop(
     ckpt_dir = Path(checkpoint_dir) if checkpoint_dir else out / "checkpoints"
     metrics_path = out / "metrics.jsonl"
     resumed_from = None
-    loaded = load_latest(ckpt_dir)
+    loaded = load_latest(ckpt_dir, load_shards=trainer.load_models)
     if loaded is not None:
         state, replay = loaded
         trainer.load_state_dict(state)
@@ -177,6 +177,7 @@ def run_loop(
                     trainer.state_dict(),
                     driver.replay_state(),
                     keep=spec.checkpoint.keep,
+                    write_shards=trainer.save_models,
                 )
                 last_ckpt = trainer.step
             m["data/prompts_drawn"] = float(trainer.prompts_drawn)

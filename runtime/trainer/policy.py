@@ -277,26 +277,3 @@ class PolicyWorker(TrainWorker):
         for name, p in self.model.state_dict().items():
             t = p.full_tensor() if hasattr(p, "full_tensor") else p
             yield name, t.detach()
-
-    def state_dict(self) -> dict[str, Any]:
-        state: dict[str, Any] = {"model": {k: v.detach().cpu() for k, v in self.full_named_parameters()}}
-        if self.optimizer is not None and self.scheduler is not None:
-            state["optimizer"] = self.optimizer.state_dict()
-            state["scheduler"] = self.scheduler.state_dict()
-        return state
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        with torch.no_grad():
-            own = self.model.state_dict()
-            for k, v in state["model"].items():
-                dst = own[k]
-                if hasattr(dst, "full_tensor"):
-                    from torch.distributed.tensor import distribute_tensor
-
-                    dst.copy_(distribute_tensor(v.to(self.device), dst.device_mesh, dst.placements))
-                else:
-                    dst.copy_(v.to(dst.device))
-        if self.optimizer is not None and "optimizer" in state:
-            self.optimizer.load_state_dict(state["optimizer"])
-        if self.scheduler is not None and "scheduler" in state:
-            self.scheduler.load_state_dict(state["scheduler"])

@@ -250,7 +250,12 @@ def run_on_ray(
     """Run the job's mode with Ray actors; start (and stop) a local Ray unless one is reachable."""
     import ray
 
-    from rlkube.runtime.distributed.placement import actor_options, create_placement_groups, plan_placement
+    from rlkube.runtime.distributed.placement import (
+        actor_options,
+        create_placement_groups,
+        engine_env,
+        plan_placement,
+    )
     from rlkube.runtime.trainer.engines import build_engine
     from rlkube.runtime.weights.collective import DEFAULT_TIMEOUT_S, weight_group_specs
 
@@ -266,24 +271,32 @@ def run_on_ray(
     try:
         pg_trainer, pg_rollout = create_placement_groups(plan)
         run.groups = [pg_trainer] if pg_rollout is pg_trainer else [pg_trainer, pg_rollout]
-        watch = {"concurrency_groups": {"watch": 1}, "max_concurrency": 1}
+        watched: Any = ray.remote(concurrency_groups={"watch": 1}, max_concurrency=1)  # type: ignore[call-overload]
         ranks = [
             run.add(
                 f"trainer rank {r}",
-                ray.remote(RankActor)
-                .options(**watch, **actor_options(pg_trainer, plan.rank_bundle(r), plan.rank_resources()))
+                watched(RankActor)
+                .options(**actor_options(pg_trainer, plan.rank_bundle(r), plan.rank_resources()))
                 .remote(r, lay.trainer_ranks, device),
             )
             for r in range(lay.trainer_ranks)
         ]
         names = [f"rollout-{e}" for e in range(lay.engines)]
         engine_group = pg_trainer if lay.colocated else pg_rollout
+        envs: list[dict[str, str]] = [{} for _ in names]
+        if lay.colocated and plan.gpus:  # each engine sees exactly its trainer ranks' devices
+            devices = [
+                w.get("accelerators", {}).get("GPU", []) for w in run.get([r.where.remote() for r in ranks])
+            ]
+            var = _visible_devices_var(spec.gpu.vendor)
+            envs = [engine_env(var, [devices[r] for r in plan.colocated_ranks(e)]) for e in range(len(names))]
         hosts = [
             run.add(
                 f"rollout engine {n}",
-                ray.remote(EngineActor)
+                watched(EngineActor)
                 .options(
-                    **watch, **actor_options(engine_group, plan.engine_bundle(e), plan.engine_resources())
+                    **actor_options(engine_group, plan.engine_bundle(e), plan.engine_resources()),
+                    **({"runtime_env": {"env_vars": envs[e]}} if envs[e] else {}),
                 )
                 .remote(n, functools.partial(build_engine, spec)),
             )
@@ -335,6 +348,16 @@ def run_on_ray(
         Path(res["curve_path"]) if res["curve_path"] else None,
         res["resumed_from"],
     )
+
+
+def _visible_devices_var(vendor: str) -> str | None:
+    """The visible-devices variable of the platform that serves ``vendor``."""
+    from rlkube.runtime.platform import registered_platforms
+
+    for cls in registered_platforms().values():
+        if cls.vendor == vendor:
+            return cls.visible_devices_var
+    return None
 
 
 def _write_layout(

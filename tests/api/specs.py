@@ -108,7 +108,32 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
         merge(minimal(), {"gpu": {"vendor": "nvidia", "productName": "MI300X"}}),
         "spec.gpu.productName",
     ),
-    ("cpu-with-gpus", merge(minimal(), {"gpu": {"vendor": "cpu"}}), "spec.trainer.gpusPerReplica"),
+    (
+        "mini-batch-not-split-by-ranks",
+        merge(
+            minimal(),
+            {
+                "trainer": {"replicas": 2, "gpusPerReplica": 4},
+                "training": {"miniBatchSize": 12, "trainBatchSize": 24},
+            },
+        ),
+        "spec.training.miniBatchSize",
+    ),
+    (
+        "cpu-ranks-mini-batch",
+        cpu(trainer={"gpusPerReplica": 4}, training={"miniBatchSize": 6, "trainBatchSize": 12}),
+        "spec.training.miniBatchSize",
+    ),
+    (
+        "rollout-pod-not-split-by-tp",
+        separate(rollout={"gpusPerReplica": 4, "tensorParallelSize": 3}),
+        "spec.rollout.tensorParallelSize",
+    ),
+    (
+        "colocated-tp-beyond-trainer-pod",
+        merge(minimal(), {"trainer": {"gpusPerReplica": 2}, "rollout": {"tensorParallelSize": 4}}),
+        "spec.rollout.tensorParallelSize",
+    ),
     ("gpu-without-gpus", merge(minimal(), {"trainer": {"gpusPerReplica": 0}}), "spec.trainer.gpusPerReplica"),
     ("cpu-rollout-gpus", cpu(rollout={"gpusPerReplica": 2}), "spec.rollout.gpusPerReplica"),
     ("gpu-rollout-zero", merge(minimal(), {"rollout": {"gpusPerReplica": 0}}), "spec.rollout.gpusPerReplica"),

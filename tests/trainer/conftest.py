@@ -40,6 +40,8 @@ def write_job(path: Path, task: Any, **over: Any) -> Path:
     """An RLJob YAML for the tiny task; ``over`` merges into spec sections (e.g. training={...})."""
     from rlkube.devcluster.tiny_task import merge_spec, tiny_rljob
 
-    doc = tiny_rljob(task, name=path.stem, trainer={"gpusPerReplica": 0}, **merge_spec(SMALL, over))
+    over = dict(over)
+    trainer = {"gpusPerReplica": 0, **over.pop("trainer", {})}  # gpusPerReplica: CPU ranks per pod
+    doc = tiny_rljob(task, name=path.stem, trainer=trainer, **merge_spec(SMALL, over))
     path.write_text(yaml.safe_dump(doc))
     return path

@@ -23,7 +23,10 @@ def test_trainer_gpu_bench_smoke(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-3000:]
     data = json.loads((tmp_path / "trainer-gpu.json").read_text())
     r = data["results"][0]["rlkube"]
-    assert len(r["steps"]) == 2
+    assert len(r["steps"]) == 3
+    # after the warm-up, the rank-group update path (the trainer's) and the direct one alternate
+    assert [s["update_path"] for s in r["steps"]] == ["direct", "group", "direct"]
+    assert set(r["update_paths"]) == {"update_group_s", "update_direct_s", "group_over_direct"}
     m = r["mean_after_warmup"]
     assert m["rollout_tokens_per_s"] > 0 and m["train_tokens_per_s"] > 0 and m["step_s"] > 0
     assert all(s["completion_tokens"] == 2 * 2 * 8 for s in r["steps"])  # no stop ids: full length
