@@ -312,6 +312,11 @@ class TrainerSpec(_Model):
         default="fsdp2",
         description="Parallelism backend. Only fsdp2 is supported; megatron is refused for now.",
     )
+    hybrid_shard: bool = Field(
+        default=False,
+        description="HSDP: shard the model within each trainer pod and replicate it across pods "
+        "(parameter all-gathers stay inside a pod; only gradients cross pods). Needs replicas > 1.",
+    )
     cpus_per_replica: int = Field(
         default=8, ge=1, le=1024, description="CPU cores per pod (also Ray num-cpus)."
     )

@@ -53,9 +53,13 @@ def main(argv: list[str] | None = None) -> int:
     one_process = spec.training.mode == "sync" and spec.rollout.engine == "hf" and trainer_ranks(spec) == 1
     use_ray = args.ray or (not one_process and not args.no_ray)
     if use_ray:
-        from rlkube.runtime.trainer.ray_runtime import run_on_ray
+        from rlkube.runtime.trainer.ray_runtime import JobFailed, run_on_ray
 
-        result = run_on_ray(job, out, max_steps=args.max_steps, device=args.device)
+        try:
+            result = run_on_ray(job, out, max_steps=args.max_steps, device=args.device)
+        except JobFailed as e:  # a rank or an engine died or raised: say which, exit non-zero
+            print(f"rlkube-train: job failed: {e}", file=sys.stderr)
+            return 1
     else:
         from rlkube.runtime.trainer.local import run_local
 

@@ -36,6 +36,7 @@ class EnginePool:
         self.requests_window = [0] * len(self.engines)  # since the last load_metrics()
         self._stash: list[Completion] = []  # polled while a generate() waited for other ids
         self.collective_ready = False  # every engine joined the job's weight groups
+        self.sleeping = False
 
     # -- fan-out -----------------------------------------------------------------------------
     def _fan(self, method: str, args: Sequence[tuple[Any, ...]] | None = None) -> list[Any]:
@@ -151,6 +152,21 @@ class EnginePool:
             out.extend(got)
         self.outstanding = [0] * len(self.engines)
         return out
+
+    def release_memory(self) -> bool:
+        """Colocated modes, while the trainer steps: every engine frees its KV cache (sleep level 1)
+        where it can (``capabilities.sleep``: vLLM on GPUs); False, and nothing done, elsewhere."""
+        if self.sleeping or not self.capabilities.sleep:
+            return False
+        self._fan("sleep", [(1,)] * len(self.engines))
+        self.sleeping = True
+        return True
+
+    def reclaim_memory(self) -> None:
+        """Wake the engines again (before weights are pushed and generation resumes)."""
+        if self.sleeping:
+            self._fan("wake")
+            self.sleeping = False
 
     def sleep(self, level: int = 1) -> None:
         self._fan("sleep", [(level,)] * len(self.engines))

@@ -145,7 +145,7 @@ class TrainerRank:
 
             ctx = ray.get_runtime_context()
             info["node_id"] = ctx.get_node_id()
-            info["accelerators"] = {k: list(v) for k, v in ctx.get_accelerator_ids().items()}
+            info["accelerators"] = {k: list(v) for k, v in ctx.get_accelerator_ids().items() if v}
         except Exception:
             pass
         return info

@@ -67,7 +67,7 @@ class EngineHost:
 
             ctx = ray.get_runtime_context()
             info["node_id"] = ctx.get_node_id()
-            info["accelerators"] = {k: list(v) for k, v in ctx.get_accelerator_ids().items()}
+            info["accelerators"] = {k: list(v) for k, v in ctx.get_accelerator_ids().items() if v}
         except Exception:
             pass
         return info

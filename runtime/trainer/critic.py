@@ -42,8 +42,9 @@ class CriticWorker(TrainWorker):
         device: str | torch.device | None = None,
         bf16: bool | None = None,
         micro_batch_size: int = 8,
+        replicate: int = 1,
     ) -> None:
-        super().__init__(device=device, bf16=bf16, micro_batch_size=micro_batch_size)
+        super().__init__(device=device, bf16=bf16, micro_batch_size=micro_batch_size, replicate=replicate)
         self.optim_cfg = optim or OptimConfig(lr=1e-5)
         self.loss_cfg = loss or LossConfig()
         lm = load_causal_lm(model_path, device=self.device)

@@ -76,6 +76,8 @@ class Learner:
         self.loss_cfg = loss_config(spec)
         bf16 = None if spec.model.dtype == "bfloat16" else False
         mbs = t.micro_batch_size
+        # HSDP: shard within each trainer pod, replicate across pods
+        replicate = spec.trainer.replicas if spec.trainer.hybrid_shard else 1
         self.actor = PolicyWorker(
             spec.model.path,
             optim=optim_config(spec, t.learning_rate),
@@ -84,6 +86,7 @@ class Learner:
             bf16=bf16,
             micro_batch_size=mbs,
             gradient_checkpointing=spec.model.gradient_checkpointing,
+            replicate=replicate,
         )
         self.rank, self.world_size = self.actor.rank, self.actor.world_size
         self.device = self.actor.device
@@ -95,6 +98,7 @@ class Learner:
                 device=device,
                 bf16=bf16,
                 micro_batch_size=mbs,
+                replicate=replicate,
             )
             if a.kl.use_kl_loss or a.kl.in_reward
             else None
@@ -107,6 +111,7 @@ class Learner:
                 device=device,
                 bf16=bf16,
                 micro_batch_size=mbs,
+                replicate=replicate,
             )
             if a.effective_advantage_estimator in CRITIC_ESTIMATORS
             else None

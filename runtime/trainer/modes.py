@@ -61,6 +61,16 @@ class _Base:
         timing["update_weights"] = time.perf_counter() - t0
         return st
 
+    def _release_memory(self) -> dict[str, float]:
+        """Colocated: engines free their KV cache while the trainer steps, where they can."""
+        slept = [e.release_memory() for e in self.engines if hasattr(e, "release_memory")]
+        return {"rollout/slept_during_update": float(bool(slept) and all(slept))}
+
+    def _reclaim_memory(self) -> None:
+        for e in self.engines:
+            if hasattr(e, "reclaim_memory"):
+                e.reclaim_memory()
+
     def evaluate(self) -> dict[str, float]:
         """Greedy mean reward on the validation prompts (one sample each) under the served weights."""
         tr = self.tr
@@ -167,7 +177,9 @@ class SyncDriver(_Base):
         timing: dict[str, float] = {}
         samples, extra = self._collect(timing)
         version_used = self.tr.version
+        extra.update(self._release_memory())
         m = self.tr.train(samples, timing)
+        self._reclaim_memory()
         extra.update(m)
         m = self._finish(samples, timing, extra)
         m["staleness/mean"] = float(sum(version_used - s.policy_version for s in samples) / len(samples))
@@ -268,7 +280,10 @@ class ColocateAsyncDriver(_Base):
                 self.refs.pop(rid, None)
                 self.done.pop(rid, None)
         version_used = tr.version
+        slept = self._release_memory()
         m_train = tr.train(batch, timing)
+        self._reclaim_memory()
+        m_train.update(slept)
         m = self._finish(batch, timing, m_train)
         m["staleness/mean"] = sum(version_used - s.policy_version for s in batch) / len(batch)
         m["staleness/max"] = float(max(version_used - s.policy_version for s in batch))

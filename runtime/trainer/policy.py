@@ -80,8 +80,9 @@ class PolicyWorker(TrainWorker):
         micro_batch_size: int = 8,
         gradient_checkpointing: bool = False,
         model: nn.Module | None = None,
+        replicate: int = 1,
     ) -> None:
-        super().__init__(device=device, bf16=bf16, micro_batch_size=micro_batch_size)
+        super().__init__(device=device, bf16=bf16, micro_batch_size=micro_batch_size, replicate=replicate)
         self.loss_cfg = loss or LossConfig()
         self.optim_cfg = optim or OptimConfig()
         self.trainable = trainable

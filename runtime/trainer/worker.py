@@ -88,12 +88,18 @@ class TrainWorker:
     """What actor, reference and critic share: device, autocast, FSDP2 wrapping."""
 
     def __init__(
-        self, *, device: str | torch.device | None, bf16: bool | None, micro_batch_size: int
+        self,
+        *,
+        device: str | torch.device | None,
+        bf16: bool | None,
+        micro_batch_size: int,
+        replicate: int = 1,
     ) -> None:
         self.device = resolve_device(device)
         self.bf16 = self.device.type != "cpu" if bf16 is None else bf16
         self.micro_batch_size = micro_batch_size
         self.rank, self.world_size = world()
+        self.replicate = replicate  # HSDP replica groups (pods); 1: plain FSDP2 over every rank
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         if self.bf16 and self.world_size == 1:
@@ -102,7 +108,7 @@ class TrainWorker:
 
     def _wrap(self, model: nn.Module) -> nn.Module:
         if self.world_size > 1:
-            return shard_fsdp2(model, self.device, self.bf16)
+            return shard_fsdp2(model, self.device, self.bf16, self.replicate)
         return model
 
     def global_counts(self, mini: Batch) -> tuple[float, int]:

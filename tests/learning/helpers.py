@@ -13,7 +13,9 @@ from rlkube.runtime.metrics import read_jsonl
 
 def learning_job(path: Path, task: Any, mode: str, **over: Any) -> Path:
     """The tiny RLJob for a learning run: 150 steps, the API's default trainer resources."""
-    doc = tiny_rljob(task, name=f"learn-{mode}", mode=mode, trainer={"gpusPerReplica": 0}, **over)
+    over = dict(over)
+    trainer = {"gpusPerReplica": 0, **over.pop("trainer", {})}  # gpusPerReplica: CPU ranks per pod
+    doc = tiny_rljob(task, name=f"learn-{mode}", mode=mode, trainer=trainer, **over)
     path.write_text(yaml.safe_dump(doc))
     return path
 

@@ -1,6 +1,6 @@
-"""separate_async GRPO on a real local Ray: a dedicated rollout actor streams groups into the replay
-buffer while the trainer actor updates; held-out reward rises to >= 0.8 and every trained sample is
-within the staleness threshold."""
+"""separate_async GRPO on a real local Ray with two FSDP2 trainer ranks and two hf engines: the
+engines stream groups into the replay buffer while the ranks update, weights go over the collective
+backend; held-out reward rises to >= 0.8 and every trained sample is within the staleness threshold."""
 
 from __future__ import annotations
 
@@ -31,6 +31,8 @@ def test_separate_async_grpo_learns_with_bounded_staleness(
         learn_task,
         "separate_async",
         **{"async": {"stalenessThreshold": THRESHOLD, "parameterSyncStep": 2, "partialRollout": True}},
+        trainer={"gpusPerReplica": 2},  # two FSDP2 trainer ranks (gloo)
+        rollout={"engine": "hf", "replicas": 2},  # two hf engines behind the balancer
     )
     job = resolve(load_rljob(path))
     monkeypatch.setenv("RLKUBE_RAY_TMPDIR", f"/tmp/rlkl{os.getpid()}")
@@ -43,5 +45,7 @@ def test_separate_async_grpo_learns_with_bounded_staleness(
     assert mean_stale <= THRESHOLD
     # Really asynchronous: the rollouter ran ahead (groups were generated beyond what was trained on).
     assert rows[-1]["staleness/dropped_total"] > 0 or rows[-1]["rollout/aborted_total"] > 0
+    assert all(r["trainer/world_size"] == 2 and r["rollout/engines"] == 2 for r in rows)
+    assert all(r["weight_sync/transport"] == "collective" for r in rows)
     assert res.curve_path is not None and res.curve_path.exists()
     print("held-out reward curve (separate_async):", curve, "mean staleness", round(mean_stale, 3))

@@ -2,8 +2,9 @@
 
 One ``Trainer.train`` call on the same samples with 1 rank and with 2 ranks (each holding half of
 every mini-batch's prompt groups): the loss, the gradient norm and every updated weight agree
-within 1e-5, for token-mean and seq-mean aggregation, over two mini-batches (so the old log-prob
-pass, the split per mini-batch and two optimiser steps all run).
+within 1e-5, for token-mean and seq-mean aggregation and for HSDP (replicated across two pods),
+over two mini-batches (so the old log-prob pass, the split per mini-batch and two optimiser steps
+all run).
 """
 
 from __future__ import annotations
@@ -81,11 +82,21 @@ def _train(world: int, job_path: Path) -> tuple[dict[str, float], dict[str, torc
                 p.kill()
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
-def test_two_ranks_update_equals_one(tmp_path: Path, tiny_task: Any, agg: str) -> None:
+CASES = {
+    "fsdp2-token-mean": ("token-mean", {"gpusPerReplica": 2}),
+    "fsdp2-seq-mean": ("seq-mean-token-mean", {"gpusPerReplica": 2}),
+    # HSDP: two pods of one rank, the model replicated across pods (gradients all-reduced)
+    "hsdp-token-mean": ("token-mean", {"replicas": 2, "gpusPerReplica": 1, "hybridShard": True}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_ranks_update_equals_one(tmp_path: Path, tiny_task: Any, case: str) -> None:
+    agg, trainer = CASES[case]
     job = write_job(
         tmp_path / "job.yaml",
         tiny_task,
+        trainer=trainer,
         algorithm={"name": "grpo", "groupSize": GROUP_SIZE, "lossAggregation": agg},
         training={"trainBatchSize": GROUPS, "miniBatchSize": 2, "microBatchSize": 3, "learningRate": 1e-3},
     )
