@@ -65,7 +65,13 @@ def main(argv: list[str] | None = None) -> int:
 
         result = run_local(job, out, max_steps=args.max_steps, device=args.device)
     print(
-        f"rlkube-train: {result.final_step}/{spec.training.total_steps} steps; "
+        f"rlkube-train: {result.final_step}/{spec.training.total_steps} steps"
+        + (
+            f" (resumed from checkpoint at step {result.resumed_from})"
+            if result.resumed_from is not None
+            else ""
+        )
+        + "; "
         f"metrics {result.metrics_path}; "
         f"reward curve {result.curve_path}; TensorBoard {result.output_dir / 'tensorboard'}",
         file=sys.stderr,

@@ -675,3 +675,51 @@ def test_example_applies_and_reaches_cluster_ready_on_fake_gpu_nodes(
     wait_for(lambda: not pods(kubectl, ns, f"ray.io/cluster={cluster}"), 90, what="GPU pods freed")
     for claim in claims:
         kubectl("delete", "pv", f"{ns}-{claim}"[:63].rstrip("-"), "--wait=false", check=False)
+
+
+def two_node_eight_plus_eight() -> dict[str, Any]:
+    """8 trainer GPUs on one node, 8 rollout GPUs (TP 2) on another: 8 ranks, 4 engines."""
+    body = small_rljob("eightplus", mode="separate_async", gpus=8)
+    body["spec"]["rollout"]["tensorParallelSize"] = 2
+    body["spec"]["training"].update({"trainBatchSize": 32, "miniBatchSize": 8})
+    body["spec"]["async"] = {"parameterSyncStep": 4}
+    return body
+
+
+def test_two_node_job_gets_one_pod_per_placement_bundle_on_its_own_node(
+    kubectl: Kubectl, namespace: str, operator: OperatorProcess, wait_for: WaitFor
+) -> None:
+    """The runtime's placement groups need one pod per bundle, each advertising the bundle's Ray
+    resource and holding its GPUs: what KubeRay made from the render must be exactly that."""
+    from rlkube.api import parse_rljob, resolve
+    from rlkube.api.layout import layout
+    from rlkube.runtime.distributed.placement import plan_placement
+
+    ns = namespace
+    body = two_node_eight_plus_eight()
+    apply(kubectl, ns, body)
+    wait_for(
+        cond_is(kubectl, ns, "eightplus", "ClusterReady", "True"), 120, describe(kubectl, ns, "eightplus")
+    )
+    cluster = rljob(kubectl, ns, "eightplus")["status"]["rayClusterName"]
+    spec = resolve(parse_rljob(body)).spec
+    plan = plan_placement(spec)
+    assert (layout(spec).trainer_ranks, layout(spec).engines) == (8, 4)
+    workers = gpu_pods_running(kubectl, ns, cluster)
+    by_group: dict[str, list[dict[str, Any]]] = {}
+    for p in workers:
+        by_group.setdefault(p["metadata"]["labels"]["ray.io/group"], []).append(p)
+    bundles = {"trainer": plan.trainer_bundles, "rollout": plan.rollout_bundles}
+    assert {g: len(ps) for g, ps in by_group.items()} == {g: len(b) for g, b in bundles.items()}
+    rc = kubectl.json("-n", ns, "get", "raycluster", cluster)
+    params = {g["groupName"]: g["rayStartParams"] for g in rc["spec"]["workerGroupSpecs"]}
+    for group, pods_ in by_group.items():
+        (bundle,) = bundles[group]
+        advertised = json.loads(params[group]["resources"].strip("'"))
+        assert advertised == {k: int(v) for k, v in bundle.items() if k != "GPU"}
+        for p in pods_:
+            assert p["spec"]["containers"][0]["resources"]["limits"]["amd.com/gpu"] == str(int(bundle["GPU"]))
+    nodes = {p["spec"]["nodeName"] for p in workers}
+    assert len(nodes) == 2 and all(n.startswith("gpu-") for n in nodes)  # two 8-GPU nodes, one each
+    kubectl("-n", ns, "delete", "rljob", "eightplus", "--wait=true", timeout=90)
+    wait_for(lambda: not pods(kubectl, ns, f"ray.io/cluster={cluster}"), 90, what="GPU pods freed")

@@ -1,6 +1,7 @@
 """The rendered pods are exactly what the runtime's placement groups ask for.
 
-For the seed's 4+4 example, a colocated example, a 2-node 8+8 job and a CPU twin of the 4+4 job:
+For the seed's 4+4 example, a colocated example, a 2-node 8+8 job, a 4-node 16+16 job and a CPU twin
+of the 4+4 job:
 every worker group has one pod per placement bundle, each pod's GPU limit is its bundle's GPUs and
 its Ray resource (``rlkube_<group>``) is its bundle's share, so the trainer ranks (one per GPU, a
 pod's ranks together) and the engines (GPUs / tensorParallelSize) land on the pods meant for them.
@@ -28,7 +29,16 @@ def _example(name: str) -> dict[str, Any]:
 
 
 def eight_plus_eight() -> dict[str, Any]:
-    """Two trainer nodes of 8 GPUs and two rollout nodes of 8 (TP 2): 16 ranks, 8 engines."""
+    """Two nodes: 8 trainer GPUs on one, 8 rollout GPUs (TP 2) on the other: 8 ranks, 4 engines."""
+    return separate(
+        trainer={"replicas": 1, "gpusPerReplica": 8},
+        rollout={"replicas": 1, "gpusPerReplica": 8, "tensorParallelSize": 2},
+        training={"mode": "separate_async", "trainBatchSize": 128, "miniBatchSize": 32},
+    )
+
+
+def sixteen_plus_sixteen() -> dict[str, Any]:
+    """Four nodes: two trainer pods of 8 GPUs, two rollout pods of 8 (TP 2): 16 ranks, 8 engines."""
     return separate(
         trainer={"replicas": 2, "gpusPerReplica": 8},
         rollout={"replicas": 2, "gpusPerReplica": 8, "tensorParallelSize": 2},
@@ -47,7 +57,8 @@ def cpu_four_plus_four() -> dict[str, Any]:
 CASES = {
     "dapo-4+4": (lambda: _example("dapo-qwen25-math-7b.yaml"), 4, 4),
     "colocated-8": (lambda: _example("grpo-qwen3-8b-colocated.yaml"), None, None),
-    "2-node-8+8": (eight_plus_eight, 16, 8),
+    "2-node-8+8": (eight_plus_eight, 8, 4),
+    "4-node-16+16": (sixteen_plus_sixteen, 16, 8),
     "cpu-4+4": (cpu_four_plus_four, 4, 4),
 }
 
@@ -103,7 +114,7 @@ def test_colocated_ranks_own_whole_gpus_and_engines_share_them() -> None:
 
 
 def test_ranks_of_a_pod_are_contiguous_and_engines_split_rollout_pods() -> None:
-    spec = resolve(parse_rljob(eight_plus_eight())).spec
+    spec = resolve(parse_rljob(sixteen_plus_sixteen())).spec
     plan = plan_placement(spec)
     assert [plan.rank_bundle(r) for r in range(16)] == [0] * 8 + [1] * 8
     assert [plan.engine_bundle(e) for e in range(8)] == [0] * 4 + [1] * 4

@@ -100,8 +100,8 @@ def test_mode_runs_on_ray_and_shuts_down_clean(
     for r in rows:
         assert r["trainer/world_size"] == ranks and r["rollout/engines"] == engines
         assert r["weight_sync/transport"] == "collective"
-        assert sum(r[f"rollout/engine_load/rollout-{e}"] for e in range(engines)) > 0
-    if engines > 1:  # the balancer used every engine over the run
-        assert all(sum(r[f"rollout/engine_load/rollout-{e}"] for r in rows) > 0 for e in range(engines))
+    # the balancer gave every engine prompt groups over the run (a colocate_async step may need none:
+    # partial rollouts carried over can fill it)
+    assert all(sum(r[f"rollout/engine_load/rollout-{e}"] for r in rows) > 0 for e in range(engines))
     left = wait_gone(str(ray_tmp), pids)
     assert not left, left
