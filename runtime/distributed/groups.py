@@ -10,6 +10,7 @@ stateless groups of their own: ``rlkube.runtime.weights.collective``.
 from __future__ import annotations
 
 import datetime
+import os
 import socket
 from dataclasses import dataclass
 from typing import Any
@@ -102,3 +103,18 @@ def local_device(device: str | None = None) -> torch.device:
     if platform.device_name == "cuda" and torch.cuda.is_available():
         return torch.device("cuda", 0)
     return torch.device("cpu")
+
+
+def where_am_i(**labels: Any) -> dict[str, Any]:
+    """``labels`` plus this process's pid and, inside a Ray actor, its node and accelerator ids
+    (what ``layout.json`` records and error messages name)."""
+    info: dict[str, Any] = {**labels, "pid": os.getpid()}
+    try:
+        import ray
+
+        ctx = ray.get_runtime_context()
+        info["node_id"] = ctx.get_node_id()
+        info["accelerators"] = {k: list(v) for k, v in ctx.get_accelerator_ids().items() if v}
+    except Exception:  # outside Ray: pid only
+        pass
+    return info

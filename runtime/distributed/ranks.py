@@ -139,16 +139,9 @@ class TrainerRank:
 
     def where(self) -> dict[str, Any]:
         """Node, pid and accelerator ids of this rank (for placement checks and error messages)."""
-        info: dict[str, Any] = {"rank": self.rank, "pid": os.getpid()}
-        try:
-            import ray
+        from rlkube.runtime.distributed.groups import where_am_i
 
-            ctx = ray.get_runtime_context()
-            info["node_id"] = ctx.get_node_id()
-            info["accelerators"] = {k: list(v) for k, v in ctx.get_accelerator_ids().items() if v}
-        except Exception:
-            pass
-        return info
+        return where_am_i(rank=self.rank)
 
     def rendezvous(self) -> tuple[str, int]:
         """Rank 0: this node's address and a free port for the trainer world."""

@@ -11,7 +11,6 @@ method added to ``RolloutEngine`` is forwarded without touching this file.
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
 from typing import Any
 
@@ -61,16 +60,9 @@ class EngineHost:
 
     def where(self) -> dict[str, Any]:
         """Name, pid, node and accelerator ids (for placement checks and error messages)."""
-        info: dict[str, Any] = {"name": self.name, "pid": os.getpid()}
-        try:
-            import ray
+        from rlkube.runtime.distributed.groups import where_am_i
 
-            ctx = ray.get_runtime_context()
-            info["node_id"] = ctx.get_node_id()
-            info["accelerators"] = {k: list(v) for k, v in ctx.get_accelerator_ids().items() if v}
-        except Exception:
-            pass
-        return info
+        return where_am_i(name=self.name)
 
 
 class RemoteEngine:

@@ -5,8 +5,8 @@
 - ``collective``: engines that joined the job's weight groups (``EnginePool.collective``): rank 0
   streams the full tensors, or every rank the delta of its own shard, over the collective backend
   (gloo on the CPU, nccl/RCCL on GPUs); every engine worker receives at once.
-- ``ipc``: colocated engines on the trainer rank's own GPU take each bucket by CUDA IPC handle
-  (``rlkube.runtime.weights.ipc``) where the platform supports it.
+- (``ipc``, colocated engines taking each bucket by CUDA IPC handle from the rank on their GPU, is
+  not chosen yet: the primitive is ``rlkube.runtime.weights.ipc``, measured on an H200.)
 - ``object_store``: anything else (an engine without the weight-group protocol): checksummed buckets
   handed to each engine through Ray's object store.
 
@@ -19,7 +19,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-TRANSPORTS = ("direct", "collective", "ipc", "object_store")
+TRANSPORTS = ("direct", "collective", "object_store")
 
 
 def choose_transport(trainer: Any, engines: Sequence[Any]) -> str:
@@ -32,8 +32,6 @@ def choose_transport(trainer: Any, engines: Sequence[Any]) -> str:
         and all(getattr(c, "direct_weights", False) for c in caps)
     ):
         return "direct"
-    if engines and all(getattr(e, "ipc_ready", False) for e in engines):
-        return "ipc"
     if engines and all(getattr(e, "collective_ready", False) for e in engines):
         return "collective"
     return "object_store"
@@ -49,8 +47,8 @@ def push_weights(trainer: Any, engines: Sequence[Any], version: int) -> dict[str
         for e in engines:
             e.load_weights(params, version)
         m = trainer.direct_sync_stats([getattr(e, "last_load_stats", None) for e in engines])
-    elif transport in ("collective", "ipc"):
-        m = _push_over_groups(trainer, engines, version, method, transport)
+    elif transport == "collective":
+        m = _push_over_groups(trainer, engines, version, method)
     else:
         buckets = trainer.weight_buckets(version)
         for e in engines:
@@ -64,9 +62,7 @@ def push_weights(trainer: Any, engines: Sequence[Any], version: int) -> dict[str
     return out
 
 
-def _push_over_groups(
-    trainer: Any, engines: Sequence[Any], version: int, method: str, transport: str
-) -> dict[str, float]:
+def _push_over_groups(trainer: Any, engines: Sequence[Any], version: int, method: str) -> dict[str, float]:
     """Engines start receiving, every trainer rank sends its part, then everyone is waited for."""
     kind = "delta" if method == "delta_sharded" else "full"
     pending = [e.start_receive(version, kind) for e in engines]

@@ -74,45 +74,28 @@ class Learner:
         a, t = spec.algorithm, spec.training
         torch.manual_seed(t.seed)
         self.loss_cfg = loss_config(spec)
-        bf16 = None if spec.model.dtype == "bfloat16" else False
-        mbs = t.micro_batch_size
-        # HSDP: shard within each trainer pod, replicate across pods
-        replicate = spec.trainer.replicas if spec.trainer.hybrid_shard else 1
+        common: dict[str, Any] = {
+            "loss": self.loss_cfg,
+            "device": device,
+            "bf16": None if spec.model.dtype == "bfloat16" else False,
+            "micro_batch_size": t.micro_batch_size,
+            # HSDP: shard within each trainer pod, replicate across pods
+            "replicate": spec.trainer.replicas if spec.trainer.hybrid_shard else 1,
+        }
+        path = spec.model.path
         self.actor = PolicyWorker(
-            spec.model.path,
+            path,
             optim=optim_config(spec, t.learning_rate),
-            loss=self.loss_cfg,
-            device=device,
-            bf16=bf16,
-            micro_batch_size=mbs,
             gradient_checkpointing=spec.model.gradient_checkpointing,
-            replicate=replicate,
+            **common,
         )
         self.rank, self.world_size = self.actor.rank, self.actor.world_size
         self.device = self.actor.device
         self.ref = (
-            PolicyWorker(
-                spec.model.path,
-                trainable=False,
-                loss=self.loss_cfg,
-                device=device,
-                bf16=bf16,
-                micro_batch_size=mbs,
-                replicate=replicate,
-            )
-            if a.kl.use_kl_loss or a.kl.in_reward
-            else None
+            PolicyWorker(path, trainable=False, **common) if a.kl.use_kl_loss or a.kl.in_reward else None
         )
         self.critic = (
-            CriticWorker(
-                spec.model.path,
-                optim=optim_config(spec, t.critic_learning_rate),
-                loss=self.loss_cfg,
-                device=device,
-                bf16=bf16,
-                micro_batch_size=mbs,
-                replicate=replicate,
-            )
+            CriticWorker(path, optim=optim_config(spec, t.critic_learning_rate), **common)
             if a.effective_advantage_estimator in CRITIC_ESTIMATORS
             else None
         )
