@@ -44,10 +44,16 @@ More in `examples/` (the four seed workloads and the tiny CPU demo job).
 | `colocate_async` | `actor` | trainer.replicas x trainer.gpusPerReplica |
 | `separate_async` | `trainer` and `rollout` | trainer GPUs + rollout.replicas x rollout.gpusPerReplica |
 
-In colocated modes `rollout.gpusPerReplica` unset means the engines use all trainer GPUs; when set,
-the rollout must fit on them. `gpu.vendor: cpu` (the demo and tests) renders no GPU limits, Ray
-`num-gpus: "0"` on every node, no GPU tolerations, and requires `gpusPerReplica: 0`; one trainer
-process runs per replica.
+Processes: one trainer rank per trainer GPU (`trainer.replicas x gpusPerReplica`, one torch.distributed
+world, FSDP2; `trainer.hybridShard` for HSDP across pods) and one rollout engine per
+`rollout.tensorParallelSize` rollout GPUs, each pod advertising its group's Ray resource worth its
+GPU count so the runtime's placement groups put every rank and engine on its pod. Refused at apply:
+a mini-batch the ranks cannot share by whole prompt groups (`training.miniBatchSize` not a multiple
+of the trainer ranks) and rollout (or, colocated, trainer) GPUs per pod not a multiple of
+`tensorParallelSize`. In colocated modes `rollout.gpusPerReplica` unset means the engines use all
+trainer GPUs; when set, the rollout must fit on them. `gpu.vendor: cpu` (the demo and tests) renders
+no GPU limits, Ray `num-gpus: "0"` on every node and no GPU tolerations; there `gpusPerReplica` counts
+CPU ranks (0 counts as 1), so a CPU spec starts exactly the processes of its GPU twin.
 
 ## kubectl get rljobs
 
