@@ -108,6 +108,7 @@ class HFEngine(ThreadedEngine):
         max_stop_ids: int = 8,
         seed: int = 0,
         version: int = 0,
+        config_overrides: dict[str, Any] | None = None,
     ) -> None:
         if model is None:
             if model_path is None:
@@ -116,7 +117,9 @@ class HFEngine(ThreadedEngine):
 
             dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
             tdtype = _dtype(dtype) or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-            loaded: Any = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=tdtype)
+            loaded: Any = AutoModelForCausalLM.from_pretrained(
+                str(model_path), dtype=tdtype, **(config_overrides or {})
+            )
             model = loaded.to(dev)
         self.model = model.eval()
         self.device = next(self.model.parameters()).device

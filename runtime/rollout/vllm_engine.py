@@ -84,8 +84,10 @@ class VLLMEngine(ThreadedEngine):
             logprobs_mode="raw_logprobs",
             enable_prefix_caching=True,
         )
+        # On vLLM's CPU backend gpu_memory_utilization is the share of the node's RAM it reserves
+        # (its default 0.92 rarely fits a shared machine): pass the spec's on every platform.
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         if self._on_gpu:
-            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
             kwargs["enable_sleep_mode"] = enable_sleep_mode
         kwargs.update(engine_args)
         self._sleep_mode = bool(enable_sleep_mode)

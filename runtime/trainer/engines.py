@@ -5,11 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from rlkube.api import RLJobSpec
+from rlkube.runtime.errors import UserError
 
 
 def engine_options(spec: RLJobSpec, kind: str) -> dict[str, Any]:
     """Constructor options for ``make_engine`` from the spec (what each engine understands)."""
     max_len = spec.data.max_prompt_length + spec.data.max_response_length
+    mpe = spec.model.max_position_embeddings
     if kind == "hf":
         slots = min(
             spec.rollout.max_num_seqs, max(spec.training.train_batch_size * spec.algorithm.group_size, 1)
@@ -21,16 +23,22 @@ def engine_options(spec: RLJobSpec, kind: str) -> dict[str, Any]:
             "num_slots": slots,
             "max_seq_len": max_len,
             "seed": spec.training.seed,
+            "config_overrides": {"max_position_embeddings": mpe} if mpe else None,
         }
     if kind == "vllm":
-        return {
+        from rlkube.runtime.rollout.sizing import vllm_memory_options
+
+        opts = {
             "max_model_len": max_len,
             "seed": spec.training.seed,
             "dtype": spec.model.dtype if _on_gpu() else "float32",
-            "gpu_memory_utilization": spec.rollout.gpu_memory_utilization,
             "tensor_parallel_size": spec.rollout.tensor_parallel_size,
             "max_num_seqs": spec.rollout.max_num_seqs,
+            **vllm_memory_options(spec),
         }
+        if mpe:
+            opts["hf_overrides"] = {"max_position_embeddings": mpe}
+        return opts
     return {}
 
 
@@ -45,6 +53,16 @@ def build_engine(spec: RLJobSpec, model_path: str | None = None, **overrides: An
     from rlkube.runtime.rollout import make_engine
 
     kind = spec.rollout.engine
+    if kind in ("hf", "vllm"):
+        from rlkube.runtime.trainer.core import check_model_dir
+
+        check_model_dir("model.path", model_path or spec.model.path)
+    if kind == "vllm" and not _on_gpu():
+        from rlkube.runtime.rollout.sizing import cpu_plan_problem
+
+        problem = cpu_plan_problem(spec)
+        if problem:
+            raise UserError(problem)
     opts = {**engine_options(spec, kind), **overrides}
     return make_engine(kind, model_path or spec.model.path, **opts)
 

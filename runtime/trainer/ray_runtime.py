@@ -47,6 +47,9 @@ def _threads() -> None:
     import torch
 
     torch.set_num_threads(int(os.environ.get("RLKUBE_TORCH_THREADS", "1")))
+    from rlkube.runtime.train import configure_logging
+
+    configure_logging()  # an actor's INFO lines (resume, fallbacks) reach the driver's terminal
 
 
 class RolloutWorker:
