@@ -74,3 +74,40 @@ def test_mode_runs_on_ray_and_shuts_down_clean(
             break
         time.sleep(0.2)
     assert not left, left
+
+
+def _tensorboard_points(logdir: Path, tag: str) -> list[int]:
+    """Steps of every scalar event for ``tag`` across all event files (what a reader plots)."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+
+    steps = []
+    for f in sorted(logdir.glob("events.out.tfevents.*")):
+        for ev in EventFileLoader(str(f)).Load():
+            for v in ev.summary.value:
+                if v.tag == tag:
+                    steps.append(int(ev.step))
+    return sorted(steps)
+
+
+@pytest.mark.ray
+def test_resume_on_ray_says_so_and_plots_each_step_once(
+    tmp_path: Path, tiny_task: Any, monkeypatch: Any
+) -> None:
+    """Stop after step 3 with the last checkpoint at 2, run again: step 3 runs twice, but the Ray
+    trainer actor logs the resume and TensorBoard ends up with steps 1..4 exactly once."""
+    path = write_job(
+        tmp_path / "job.yaml", tiny_task, training={"totalSteps": 4}, checkpoint={"intervalSteps": 2}
+    )
+    job = resolve(load_rljob(path))
+    ray_tmp = Path("/tmp") / f"rlk{os.getpid()}res"
+    monkeypatch.setenv("RLKUBE_RAY_TMPDIR", str(ray_tmp))
+    out = tmp_path / "out"
+    first = run_on_ray(job, out, max_steps=3, num_cpus=2, timeout_s=600)
+    assert first.final_step == 3
+    assert _tensorboard_points(out / "tensorboard", "reward/mean") == [1, 2, 3]
+    second = run_on_ray(job, out, num_cpus=2, timeout_s=600)
+    assert second.resumed_from == 2 and second.final_step == 4
+    assert [r["step"] for r in read_jsonl(second.metrics_path) if r["step"] > 0] == [1, 2, 3, 4]
+    assert _tensorboard_points(out / "tensorboard", "reward/mean") == [1, 2, 3, 4]
+    logs = "".join(p.read_text(errors="replace") for p in ray_tmp.glob("session_*/logs/worker-*.err"))
+    assert "resumed from checkpoint at step 2 (version 2)" in logs
