@@ -11,6 +11,7 @@ import logging
 import math
 import random
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -83,6 +84,8 @@ class Trainer:
         self.prompts_drawn = 0
         self.prompts_too_long = 0  # skipped for exceeding data.maxPromptLength (never cut)
         self.nonfinite_rewards = 0  # samples skipped for a NaN/inf reward (data.nonFiniteReward: skip)
+        # Run-long counts the mode drivers keep (dropped groups, aborts), checkpointed with the rest.
+        self.totals: Counter[str] = Counter()
         self.reward_fn = get_reward_fn(d.reward)
         overrides = model_overrides(job)
         a, t = spec.algorithm, spec.training
@@ -288,6 +291,7 @@ class Trainer:
             "data/prompts_drawn": float(self.prompts_drawn),
             "data/prompts_too_long_total": float(self.prompts_too_long),
             "reward/nonfinite_total": float(self.nonfinite_rewards),
+            **{k: float(v) for k, v in self.totals.items()},
         }
 
     # -- the update --------------------------------------------------------------------------
@@ -421,6 +425,7 @@ class Trainer:
             "prompts_drawn": self.prompts_drawn,
             "prompts_too_long": self.prompts_too_long,
             "nonfinite_rewards": self.nonfinite_rewards,
+            "totals": dict(self.totals),
             "sampler": self.sampler.state_dict(),
             "actor": self.actor.state_dict(),
             "critic": self.critic.state_dict() if self.critic is not None else None,
@@ -437,6 +442,8 @@ class Trainer:
         self.prompts_drawn = int(state["prompts_drawn"])
         self.prompts_too_long = int(state.get("prompts_too_long", 0))
         self.nonfinite_rewards = int(state.get("nonfinite_rewards", 0))
+        for k, v in state.get("totals", {}).items():  # in place: the mode driver holds this Counter
+            self.totals[k] = int(v)
         self.sampler.load_state_dict(state["sampler"])
         self.actor.load_state_dict(state["actor"])
         if self.critic is not None and state.get("critic") is not None:

@@ -24,6 +24,7 @@ import logging
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,6 +37,14 @@ from rlkube.runtime.trainer.core import PromptRef, Trainer, sample_metrics
 from rlkube.runtime.trainer.replay import ReplayBuffer, group_version
 
 log = logging.getLogger(__name__)
+
+
+# Run-long counters in Trainer.totals (checkpointed; the run loop reports them every step).
+DS_DROPPED = "dynamic_sampling/dropped_groups_total"
+STALE_DROPPED = "staleness/dropped_groups_total"
+STALE_DROPPED_SAMPLES = "staleness/dropped_samples_total"
+ABORTED = "rollout/aborted_total"
+RESUMED = "rollout/resumed_total"
 
 
 def staleness_bound(threshold: float) -> int:
@@ -62,14 +71,16 @@ class GroupFilter:
     generation batches.
     """
 
-    def __init__(self, spec: RLJobSpec) -> None:
+    def __init__(self, spec: RLJobSpec, totals: Counter[str]) -> None:
         ds = spec.algorithm.dynamic_sampling
+        self.totals = totals
         self.enabled = ds is not None and ds.enabled
         self.batch = spec.training.train_batch_size
         self.limit = (ds.max_gen_batches if ds is not None else 0) * self.batch
         self.seen = 0  # groups judged this step
         self.dropped = 0  # of which dropped this step
-        self.dropped_total = 0
+        if self.enabled:
+            totals[DS_DROPPED] += 0  # reported from the first step on
 
     def keep(self, group: Sequence[Sample]) -> bool:
         if not self.enabled or not group:
@@ -79,7 +90,7 @@ class GroupFilter:
         if max(scores) > min(scores):
             return True
         self.dropped += 1
-        self.dropped_total += 1
+        self.totals[DS_DROPPED] += 1
         if 0 < self.limit <= self.dropped:
             raise DynamicSamplingExhaustedError(
                 f"dynamic sampling dropped {self.dropped} zero-variance groups in one step "
@@ -96,7 +107,6 @@ class GroupFilter:
         m = {
             "dynamic_sampling/gen_batches": self.seen / self.batch,
             "dynamic_sampling/dropped_groups": float(self.dropped),
-            "dynamic_sampling/dropped_groups_total": float(self.dropped_total),
         }
         self.seen = self.dropped = 0
         return m
@@ -218,6 +228,7 @@ class SyncDriver(_Base):
             import torch
 
             buf: DynamicSamplingBuffer[Sample] = DynamicSamplingBuffer(b, ds.max_gen_batches)
+            tr.totals[DS_DROPPED] += 0
             full = False
             while not full:
                 prompts = tr.next_prompts(b)
@@ -233,6 +244,7 @@ class SyncDriver(_Base):
                 )
                 extra["dynamic_sampling/gen_batches"] = float(buf.num_gen_batches)
                 extra["dynamic_sampling/dropped_groups"] = float(buf.num_dropped_groups)
+            tr.totals[DS_DROPPED] += buf.num_dropped_groups
             samples = [s for g in buf.take() for s in g]
         if not samples:
             raise UserError(
@@ -272,16 +284,17 @@ class ColocateAsyncDriver(_Base):
         self.partial_rollout = a.partial_rollout
         self.threshold = a.staleness_threshold
         self.max_stale = staleness_bound(a.staleness_threshold)
-        self.dropped_stale = 0
-        self.filter = GroupFilter(trainer.spec)
+        self.filter = GroupFilter(trainer.spec, trainer.totals)
+        trainer.totals[STALE_DROPPED] += 0  # reported from the first step on
         self.refs: dict[str, PromptRef] = {}
         self.started: dict[str, int] = {}  # request id -> weights version that started it
         self.done: dict[str, list[Completion]] = {}
         self.partials: list[Completion] = []
         self.carried: list[Sample] = []  # complete groups finished after the batch filled (next step)
 
-    def _top_up(self, engine: Any) -> None:
-        want = self.oversub - len(self.refs) - len({s.group for s in self.carried})
+    def _top_up(self, engine: Any, ready_groups: int) -> None:
+        """Start groups until in-flight + ready-to-train groups fill this version's budget."""
+        want = self.oversub - len(self.refs) - ready_groups
         if want > 0:
             prompts = self.tr.next_prompts(want)
             for p in prompts:
@@ -309,15 +322,15 @@ class ColocateAsyncDriver(_Base):
         too_old |= {s.group for s in self.carried if tr.version - s.policy_version > self.max_stale}
         for rid in too_old:
             self._forget(rid)
-        self.dropped_stale += len(too_old)
+        tr.totals[STALE_DROPPED] += len(too_old)
         self.partials = [c for c in self.partials if c.request_id not in too_old]
         if self.partials:
             eng.resume(self.partials)
             self.partials = []
         ready: list[Sample] = [s for s in self.carried if s.group not in too_old]
         self.carried = []
-        self._top_up(eng)
         ready_groups = len({s.group for s in ready})
+        self._top_up(eng, ready_groups)
         t_rew = 0.0
         while ready_groups < b:
             got = eng.poll()
@@ -330,7 +343,7 @@ class ColocateAsyncDriver(_Base):
                 cs = self.done.pop(rid)
                 if tr.version - self.started[rid] > self.max_stale:
                     self._forget(rid)
-                    self.dropped_stale += 1
+                    tr.totals[STALE_DROPPED] += 1
                     continue
                 t1 = time.perf_counter()
                 group = tr.score(cs, self.refs)
@@ -339,7 +352,7 @@ class ColocateAsyncDriver(_Base):
                 if group and self.filter.keep(group):
                     ready.extend(group)
                     ready_groups += 1
-            self._top_up(eng)  # dropped groups (dynamic sampling, non-finite rewards) are replaced
+            self._top_up(eng, ready_groups)  # dropped groups (dynamic sampling, NaN rewards) are replaced
         # End of sampling: abort the rest, keep their tokens for after the update.
         aborted = eng.abort_all()
         timing["gen"] = time.perf_counter() - t0 - t_rew
@@ -368,7 +381,6 @@ class ColocateAsyncDriver(_Base):
         m["staleness/stale_fraction"] = stale_fraction(batch, version_used)
         m["staleness/threshold"] = self.threshold
         m["rollout/aborted_samples"] = float(len(partial))
-        m["staleness/dropped_groups_total"] = float(self.dropped_stale)
         m.update(self.filter.step_metrics())
         m.update(self.push_weights(timing))
         m["timing_s/update_weights"] = timing["update_weights"]
@@ -408,7 +420,7 @@ class SeparateAsyncDriver(_Base):
         self.threshold = a.staleness_threshold
         self.max_stale = staleness_bound(a.staleness_threshold)
         self.buffer = ReplayBuffer(max(self.mini, group_capacity(a.staleness_threshold, self.b)))
-        self.filter = GroupFilter(spec)
+        self.filter = GroupFilter(spec, trainer.totals)
         self.poll_interval_s = poll_interval_s
         self.refs: dict[str, PromptRef] = {}
         self.started: dict[str, int] = {}  # request id -> weights version that started it
@@ -419,7 +431,9 @@ class SeparateAsyncDriver(_Base):
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self.stats = {"dropped_stale_groups": 0, "dropped_stale_samples": 0, "aborted": 0, "resumed": 0}
+        self.totals = trainer.totals
+        for key in (STALE_DROPPED, STALE_DROPPED_SAMPLES, ABORTED, RESUMED):
+            self.totals[key] += 0  # reported from the first step on
 
     # -- rollouter ---------------------------------------------------------------------------
     def _may_issue(self) -> bool:
@@ -490,8 +504,8 @@ class SeparateAsyncDriver(_Base):
                 if self._error is not None:
                     raise self._error
                 for g in self.buffer.drop_stale(self.tr.version, self.max_stale):
-                    self.stats["dropped_stale_groups"] += 1
-                    self.stats["dropped_stale_samples"] += len(g)
+                    self.totals[STALE_DROPPED] += 1
+                    self.totals[STALE_DROPPED_SAMPLES] += len(g)
                 if self.buffer.num_groups() >= self.mini and not (
                     self.a.stale_policy == "wait" and self._must_wait_for_stragglers()
                 ):
@@ -516,19 +530,19 @@ class SeparateAsyncDriver(_Base):
             m = self.push_weights(timing)
             v = self.tr.version  # the new version
             n_partial = sum(len(v) for v in partials.values())
-            self.stats["aborted"] += n_partial
+            self.totals[ABORTED] += n_partial
             # In-flight groups the new version makes too old can never be trained: stop them now.
             too_old = {rid for rid, s in self.started.items() if v - s > self.max_stale}
             for rid in too_old:
-                self.stats["dropped_stale_groups"] += 1
-                self.stats["dropped_stale_samples"] += self.tr.spec.algorithm.group_size
+                self.totals[STALE_DROPPED] += 1
+                self.totals[STALE_DROPPED_SAMPLES] += self.tr.spec.algorithm.group_size
                 self._forget(rid)
             for k, cs in partials.items():
                 keep = [c for c in cs if c.request_id not in too_old]
                 if self.a.partial_rollout:
                     if keep:
                         self.engines[k].resume(keep)
-                    self.stats["resumed"] += len(keep)
+                    self.totals[RESUMED] += len(keep)
                 else:
                     for c in keep:
                         self._forget(c.request_id)
@@ -563,10 +577,6 @@ class SeparateAsyncDriver(_Base):
         step_s = time.perf_counter() - t_step
         m["timing_s/step"] = step_s
         m["perf/trainer_idle_ratio"] = timing["wait"] / step_s
-        m["staleness/dropped_groups_total"] = float(self.stats["dropped_stale_groups"])
-        m["staleness/dropped_samples_total"] = float(self.stats["dropped_stale_samples"])
-        m["rollout/aborted_total"] = float(self.stats["aborted"])
-        m["rollout/resumed_total"] = float(self.stats["resumed"])
         m["replay/size_groups"] = float(self.buffer.num_groups())
         m["replay/capacity_groups"] = float(self.buffer.capacity)
         m["staleness/threshold"] = self.threshold

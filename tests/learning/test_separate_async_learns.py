@@ -20,7 +20,7 @@ from .helpers import assert_learned, learning_job
 # trained one version later: staleness <= 1 version, at most half of a batch stale.
 THRESHOLD = 0.5
 # Half of every batch is one version old, so it needs more steps than sync's 150 to reach 0.8.
-STEPS = 200
+STEPS = 250
 
 
 @pytest.mark.slow
