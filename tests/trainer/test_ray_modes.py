@@ -111,3 +111,39 @@ def test_resume_on_ray_says_so_and_plots_each_step_once(
     assert _tensorboard_points(out / "tensorboard", "reward/mean") == [1, 2, 3, 4]
     logs = "".join(p.read_text(errors="replace") for p in ray_tmp.glob("session_*/logs/worker-*.err"))
     assert "resumed from checkpoint at step 2 (version 2)" in logs
+
+
+@pytest.mark.ray
+def test_a_user_error_inside_a_ray_actor_is_one_line_and_exit_2(tmp_path: Path, tiny_task: Any) -> None:
+    import subprocess
+    import sys
+
+    job = write_job(
+        tmp_path / "job.yaml",
+        tiny_task,
+        model={"path": str(tmp_path / "no-model")},
+        training={"mode": "colocate_async"},
+        **{"async": {"stalenessThreshold": 1.0}},
+    )
+    ray_tmp = f"/tmp/rlk{os.getpid()}ue"
+    env = {**os.environ, "PYTHONSAFEPATH": "1", "OMP_NUM_THREADS": "1", "RLKUBE_RAY_TMPDIR": ray_tmp}
+    proc = subprocess.run(
+        [sys.executable, "-m", "rlkube.runtime.train", "--rljob", str(job), "--output", str(tmp_path / "o")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+    )
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [ln for ln in proc.stderr.splitlines() if ln.startswith("rlkube-train: error:")]
+    assert errors == [
+        f"rlkube-train: error: model.path: {tmp_path / 'no-model'} is not a directory on this machine/pod; "
+        "point it at a Hugging Face model directory (config.json, weights, tokenizer) or mount one there"
+    ], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    for _ in range(50):
+        if not _leftovers(ray_tmp):
+            break
+        time.sleep(0.2)
+    assert not _leftovers(ray_tmp)
