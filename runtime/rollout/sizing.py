@@ -93,10 +93,10 @@ def cpu_memory_problem(util: float, kv_cache_memory: str | None, mem: HostMemory
     gib = lambda b: f"{b / GiB:.1f} GiB"  # noqa: E731
     env_kv = os.environ.get("VLLM_CPU_KVCACHE_SPACE", "")
     if kv_cache_memory or env_kv:
-        if kv_cache_memory:
-            kv, field = parse_bytes(kv_cache_memory), "rollout.kvCacheMemory"
-        else:  # vLLM's legacy variable wins over the spec inside vLLM: check what it will use
+        if env_kv:  # vLLM's legacy variable wins over the spec inside vLLM: check what it will use
             kv, field = int(env_kv) * GiB, "VLLM_CPU_KVCACHE_SPACE"
+        else:
+            kv, field = parse_bytes(str(kv_cache_memory)), "rollout.kvCacheMemory"
         room = mem.available if mem.limit is None else min(mem.available, mem.limit)
         if kv > room:
             return (

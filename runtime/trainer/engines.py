@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 from rlkube.api import RLJobSpec
 from rlkube.runtime.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 def engine_options(spec: RLJobSpec, kind: str) -> dict[str, Any]:
@@ -63,6 +67,12 @@ def build_engine(spec: RLJobSpec, model_path: str | None = None, **overrides: An
         problem = cpu_plan_problem(spec)
         if problem:
             raise UserError(problem)
+        if spec.rollout.kv_cache_memory and os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            log.warning(
+                "VLLM_CPU_KVCACHE_SPACE=%s GiB is set: vLLM uses it instead of rollout.kvCacheMemory (%s)",
+                os.environ["VLLM_CPU_KVCACHE_SPACE"],
+                spec.rollout.kv_cache_memory,
+            )
     opts = {**engine_options(spec, kind), **overrides}
     return make_engine(kind, model_path or spec.model.path, **opts)
 

@@ -21,7 +21,8 @@ from rlkube.runtime.trainer.engines import build_engine
 from .conftest import write_job
 
 
-def test_quantities_and_plans() -> None:
+def test_quantities_and_plans(monkeypatch: Any) -> None:
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)  # vLLM's legacy override of the spec
     assert parse_bytes("256Mi") == 256 * 2**20 and parse_bytes("1.5G") == 1_500_000_000
     node = HostMemory(total=24 * GiB, available=17 * GiB, limit=None)
     msg = cpu_memory_problem(0.92, None, node)
@@ -31,6 +32,8 @@ def test_quantities_and_plans() -> None:
     assert "pod's memory limit" in (cpu_memory_problem(0.6, None, pod) or "")
     assert cpu_memory_problem(0.6, "1Gi", pod) is None
     assert "rollout.kvCacheMemory" in (cpu_memory_problem(0.6, "8Gi", pod) or "")
+    monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "8")  # what vLLM will really use is checked
+    assert "VLLM_CPU_KVCACHE_SPACE" in (cpu_memory_problem(0.6, "1Gi", pod) or "")
 
 
 def _vllm_job(tmp_path: Path, task: Any, **rollout: Any) -> Any:
