@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from rlkube.api import RLJobSpec
 from rlkube.runtime.rollout.base import (
     Completion,
     EngineCapabilities,
@@ -34,6 +35,7 @@ from rlkube.runtime.rollout.base import (
     expand_samples,
     sample_seed,
 )
+from rlkube.runtime.rollout.registry import model_config_overrides, spec_dtype
 from rlkube.runtime.rollout.vllm_worker import bucket_to_wire, tensor_from_wire, tensor_to_wire
 
 WORKER_EXTENSION = "rlkube.runtime.rollout.vllm_worker.WeightLoaderExtension"
@@ -321,3 +323,20 @@ def _asdict(p: SamplingParams) -> dict[str, Any]:
         "seed": p.seed,
         "logprobs": p.logprobs,
     }
+
+
+def options_from_spec(spec: RLJobSpec) -> dict[str, Any]:
+    """VLLMEngine options for a spec: context length, memory share, tensor parallelism, batch width."""
+    from rlkube.runtime.rollout.sizing import vllm_memory_options
+
+    opts: dict[str, Any] = {
+        "max_model_len": spec.data.max_prompt_length + spec.data.max_response_length,
+        "seed": spec.training.seed,
+        "dtype": spec_dtype(spec),
+        "tensor_parallel_size": spec.rollout.tensor_parallel_size,
+        "max_num_seqs": spec.rollout.max_num_seqs,
+        **vllm_memory_options(spec),  # gpuMemoryUtilization / kvCacheMemory, on every platform
+    }
+    if overrides := model_config_overrides(spec):
+        opts["hf_overrides"] = overrides
+    return opts
