@@ -406,8 +406,9 @@ class DevCluster:
         )
         posts = [("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", d) for d in crd_docs]
         posts += [("/api/v1/nodes", n) for n in manifests]
-        with ThreadPoolExecutor(max_workers=min(16, len(posts))) as pool:
-            list(pool.map(lambda p: api.create(*p), posts))
+        if posts:  # a control plane alone (--nodes 0 --cpu-nodes 0 --no-kuberay) posts nothing
+            with ThreadPoolExecutor(max_workers=min(16, len(posts))) as pool:
+                list(pool.map(lambda p: api.create(*p), posts))
         self.timings["objects_created_s"] = time.monotonic() - t0
 
         if self.config.kuberay:
