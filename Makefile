@@ -28,6 +28,7 @@ venv: $(PY)
 
 cluster-build:
 	bash devcluster/tools/build.sh
+	nice -n 10 bash devcluster/tools/build.sh node
 
 cluster-up: venv cluster-build
 	$(DEVCLUSTER) up --nodes $(NODES) --gpus-per-node $(GPUS_PER_NODE)
