@@ -77,6 +77,16 @@ class RenderDefaults(BaseModel):
         description="Env on every Ray container, over the platform values, under spec.env.",
     )
     head_node_selector: dict[str, str] = Field(default_factory=dict, description="Node selector of the head.")
+    head_tolerations: list[dict[str, Any]] = Field(
+        default_factory=list, description="Tolerations of the head (and of KubeRay's submitter pod)."
+    )
+    cpu_request_percent: int = Field(
+        default=100,
+        ge=1,
+        le=100,
+        description="CPU requests as a percent of the CPU limits (overcommit, as OpenShift's "
+        "ClusterResourceOverride does); Ray's num-cpus stays the limit.",
+    )
     ray_version: str | None = Field(default=None, description="rayClusterSpec.rayVersion, when set.")
 
 
@@ -146,6 +156,13 @@ def container_env(
     )
     env.pop(FORBIDDEN_ENV, None)
     return [{"name": k, "value": v} for k, v in env.items()]
+
+
+def _cpu_request(cpus: int, defaults: RenderDefaults) -> str:
+    """The CPU request for a limit of `cpus` cores under the admin's cpuRequestPercent."""
+    if defaults.cpu_request_percent >= 100:
+        return str(cpus)
+    return f"{max(1, cpus * 10 * defaults.cpu_request_percent)}m"
 
 
 def _ray_params(values: dict[str, Any]) -> dict[str, str]:
@@ -262,7 +279,7 @@ def _worker_group(
         "image": image,
         "imagePullPolicy": pull,
         "env": container_env(spec, job=job, namespace=namespace, defaults=defaults, group=group),
-        "resources": {"requests": {"cpu": str(cpus), "memory": memory}, "limits": limits},
+        "resources": {"requests": {"cpu": _cpu_request(cpus, defaults), "memory": memory}, "limits": limits},
         "volumeMounts": mounts,
     }
     node_selector = dict(spec.gpu.node_selector)
@@ -310,7 +327,7 @@ def _head_group(
         "imagePullPolicy": pull,
         "env": container_env(spec, job=job, namespace=namespace, defaults=defaults, group="head"),
         "resources": {
-            "requests": {"cpu": str(cpus), "memory": memory},
+            "requests": {"cpu": _cpu_request(cpus, defaults), "memory": memory},
             "limits": {"cpu": str(cpus), "memory": memory},
         },
         "volumeMounts": mounts,
@@ -326,10 +343,38 @@ def _head_group(
                 service_account=service_account,
                 defaults=defaults,
                 node_selector=dict(defaults.head_node_selector),
-                tolerations=[],
+                tolerations=list(defaults.head_tolerations),
             ),
         },
     }
+
+
+def _submitter_template(head: dict[str, Any], defaults: RenderDefaults) -> dict[str, Any]:
+    """KubeRay's submitter pod (it runs `ray job submit`), placed where the head goes.
+
+    KubeRay's default has no placement, so it could land on any node (a GPU node, or one the head
+    cannot be reached from); its command and env stay KubeRay's (left unset here).
+    """
+    head_spec = head["template"]["spec"]
+    container = head_spec["containers"][0]
+    pod: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "containers": [
+            {
+                "name": "ray-job-submitter",
+                "image": container["image"],
+                "imagePullPolicy": container["imagePullPolicy"],
+                "resources": {
+                    "requests": {"cpu": "100m", "memory": "200Mi"},
+                    "limits": {"cpu": "1", "memory": "1Gi"},
+                },
+            }
+        ],
+    }
+    for key in ("nodeSelector", "tolerations", "imagePullSecrets", "priorityClassName"):
+        if key in head_spec:
+            pod[key] = head_spec[key]
+    return {"spec": pod}
 
 
 def render_children(
@@ -461,6 +506,7 @@ def render_children(
     }
     if spec.active_deadline_seconds is not None:
         ray_spec["activeDeadlineSeconds"] = spec.active_deadline_seconds
+    ray_spec["submitterPodTemplate"] = _submitter_template(cluster_spec["headGroupSpec"], defaults)
     if not queued:
         # With a Kueue queue label, Kueue alone toggles suspend: leaving it out of the applied manifest
         # means rlkube's field manager never owns it, so the two never fight.
