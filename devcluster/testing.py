@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from .cluster import ClusterConfig, DevCluster
+from .cluster import ClusterConfig, DevCluster, ShapeMismatch
 from .errors import DevClusterError
 
 TEST_KUBECONFIG_ENV = "RLKUBE_TEST_KUBECONFIG"
@@ -61,7 +62,14 @@ def open_test_cluster(config: ClusterConfig | None = None, state_dir: Path | Non
             raise DevClusterError(f"cluster in {path} is unreachable: {probe.stderr.strip()}")
         return TestCluster(path, None, False, user)
     cluster = DevCluster(state_dir, config)
-    started = cluster.attach(user)
+    try:
+        started = cluster.attach(user)
+    except ShapeMismatch as err:
+        # e.g. a cluster left running by `make demo` with other nodes: tests get their own, beside it.
+        own = cluster.state_dir.with_name(cluster.state_dir.name + "-pytest")
+        print(f"[devcluster] {err}; the tests use their own cluster in {own}", file=sys.stderr, flush=True)
+        cluster = DevCluster(own, config)
+        started = cluster.attach(user)
     return TestCluster(cluster.kubeconfig, cluster, started, user)
 
 
