@@ -21,6 +21,7 @@ import errno
 import fcntl
 import json
 import os
+import shlex
 import shutil
 import signal
 import subprocess
@@ -203,7 +204,7 @@ def _remove_chains() -> None:
                 r.split()[1] for r in rules if r.startswith("-N ") and r.split()[1].startswith(CHAIN_PREFIXES)
             ]
             for rule in rules:
-                words = rule.split()
+                words = shlex.split(rule)
                 if words[:1] == ["-A"] and words[1] not in ours and any(w in ours for w in words[2:]):
                     _run([binary, "-w", "5", "-t", table, "-D", *words[1:]], check=False)
             for chain in ours:
