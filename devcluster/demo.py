@@ -1,12 +1,13 @@
-"""`make demo`: the README's main job on a machine with no cluster and no GPU.
+"""`make demo`: the README's main job in real pods on a machine with no GPU and no Docker.
 
-It starts (or reuses) the local control plane, runs the operator, prepares the tiny arithmetic task,
-applies `examples/tiny-arith.yaml` and waits for the operator's RayJob and KubeRay's RayCluster.
-kwok fakes the pods (no container ever runs), so the demo then does what the Ray head would: it
-runs the RayJob's rendered entrypoint on this host with the rendered config from the ConfigMap and
-the RLJob's own ServiceAccount token, so `status.progress` goes through the same RBAC a pod has.
-Finally it reports the outcome on the RayJob as KubeRay's submitter would, and the operator turns
-that into the RLJob's `Succeeded` (or `Failed`) phase.
+It starts (or reuses) the local cluster with its real CPU node, builds the runtime and operator
+images from the project's Dockerfiles (cached) into the node's containerd, installs the operator
+with `helm install charts/rlkube` (a pod with the chart's ServiceAccount and RBAC), prepares the
+tiny arithmetic task on the node, and applies `examples/tiny-arith.yaml`. From there nothing is
+played by the demo: KubeRay starts Ray in the head and worker pods, its submitter pod runs
+`ray job submit`, `rlkube-train` trains on the Ray head and pushes `status.progress` with the job's
+own ServiceAccount token, and the operator turns KubeRay's outcome into the RLJob's phase. The demo
+watches `kubectl get rljobs` and prints where the results are (written by the pod onto the node).
 """
 
 from __future__ import annotations
@@ -15,30 +16,29 @@ import argparse
 import contextlib
 import json
 import os
-import shlex
 import shutil
-import signal
 import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
 import yaml
 
-from .binaries import REPO_ROOT
+from .binaries import REPO_ROOT, cache_dir, module_version
 from .cluster import ClusterConfig, DevCluster, default_state_dir
 from .errors import DevClusterError
+from .images import IMAGES, Builder, build_image, import_layout
+from .node import REAL_NODE_LABEL, RUN_DIR
 from .testing import Kubectl, KubectlError
 
 T = TypeVar("T")
 DEFAULT_EXAMPLE = REPO_ROOT / "examples" / "tiny-arith.yaml"
 DEFAULT_NAMESPACE = "rlkube-demo"
-CRD_FILE = REPO_ROOT / "crds" / "rljobs.rlkube.io.yaml"
-CONFIG_VOLUME = "rljob-config"  # the renderer's ConfigMap volume on every Ray pod
+CHART = REPO_ROOT / "charts" / "rlkube"
+OPERATOR_NAMESPACE = "rlkube-system"
 LOG_TAIL_LINES = 40
 
 
@@ -84,66 +84,6 @@ def _poll(fn: Callable[[], T | None], timeout: float, what: str, interval: float
         time.sleep(interval)
 
 
-# ------------------------------------------------------------------------------------------ operator
-
-
-class Operator:
-    """`rlkube-operator` as a subprocess watching one namespace, as the chart's Deployment runs it."""
-
-    def __init__(self, kubeconfig: Path, namespace: str, log_path: Path) -> None:
-        binary = Path(sys.executable).parent / "rlkube-operator"
-        if not binary.is_file():
-            raise DemoError(f"{binary} missing: run `make venv`")
-        self.log_path = log_path
-        self.liveness_port = _free_port()
-        argv = [
-            str(binary),
-            f"--namespace={namespace}",
-            "--standalone",
-            f"--liveness=http://127.0.0.1:{self.liveness_port}/healthz",
-            "--log-format=plain",
-        ]
-        env = {**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONSAFEPATH": "1"}
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        with log_path.open("ab") as out:
-            out.write(f"# {time.strftime('%H:%M:%S')} {' '.join(argv)}\n".encode())
-            out.flush()
-            self.proc = subprocess.Popen(
-                argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-            )
-
-    def wait_live(self, timeout: float = 90) -> None:
-        """Until the liveness endpoint answers: the operator has logged in and its watches run."""
-
-        def live() -> bool:
-            if self.proc.poll() is not None:
-                raise DemoError(
-                    f"rlkube-operator exited {self.proc.returncode}; last lines of {self.log_path}:\n"
-                    + _tail(self.log_path)
-                )
-            try:
-                url = f"http://127.0.0.1:{self.liveness_port}/healthz"
-                with urllib.request.urlopen(url, timeout=2) as r:
-                    return bool(r.status == 200)
-            except OSError:
-                return False
-
-        deadline = time.monotonic() + timeout
-        while not live():
-            if time.monotonic() > deadline:
-                raise DemoError(f"rlkube-operator not live after {timeout:.0f} s:\n{_tail(self.log_path)}")
-            time.sleep(0.5)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-
-
 # ------------------------------------------------------------------------------------- the tiny task
 
 
@@ -182,66 +122,72 @@ def prepare_task(example: dict[str, Any]) -> float | None:
 # --------------------------------------------------------------------------------------- kubernetes
 
 
-def token_kubeconfig(kubectl: Kubectl, path: Path, namespace: str, sa: str) -> None:
-    """A kubeconfig that authenticates as ServiceAccount namespace/sa with a real bound token."""
-    token = kubectl("-n", namespace, "create", "token", sa, "--duration=2h").stdout.strip()
-    admin = yaml.safe_load(kubectl.kubeconfig.read_text())
-    ctx = next(c for c in admin["contexts"] if c["name"] == admin["current-context"])["context"]
-    cluster = next(c for c in admin["clusters"] if c["name"] == ctx["cluster"])
-    cfg = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "rlkube-dev", "cluster": cluster["cluster"]}],
-        "users": [{"name": sa, "user": {"token": token}}],
-        "contexts": [{"name": sa, "context": {"cluster": "rlkube-dev", "user": sa, "namespace": namespace}}],
-        "current-context": sa,
+def helm_binary() -> Path:
+    path = cache_dir() / f"helm-{module_version('helm')}" / "bin" / "helm"
+    if not os.access(path, os.X_OK):
+        raise DemoError(f"{path} missing: run `make cluster-build`")
+    return path
+
+
+def operator_values() -> dict[str, Any]:
+    """Chart values for the devcluster: the locally built images, and the real node for the operator,
+    the Ray heads and KubeRay's submitters (its taint keeps every other pod on the fake nodes)."""
+    toleration = {"key": REAL_NODE_LABEL, "operator": "Exists", "effect": "NoSchedule"}
+    runtime = IMAGES["runtime-cpu"].name
+    repo, tag = IMAGES["operator"].name.rsplit(":", 1)
+    return {
+        "image": {"repository": repo, "tag": tag, "pullPolicy": "Never"},
+        "nodeSelector": {REAL_NODE_LABEL: "true"},
+        "tolerations": [toleration],
+        "resources": {
+            "requests": {"cpu": "50m", "memory": "128Mi"},
+            "limits": {"cpu": "1", "memory": "512Mi"},
+        },
+        "runtimeDefaults": {
+            "vendorImages": {"cpu": runtime},
+            "imagePullPolicy": "IfNotPresent",
+            "headNodeSelector": {REAL_NODE_LABEL: "true"},
+            "headTolerations": [toleration],
+            # Two real cores: requests at a quarter of the limits so head, worker, submitter and
+            # operator fit; Ray still sees each pod's full CPU limit.
+            "cpuRequestPercent": 25,
+        },
     }
-    path.write_text(yaml.safe_dump(cfg))
-    path.chmod(0o600)
 
 
-def _rayjob_status(kubectl: Kubectl, ns: str, rayjob: str, status: dict[str, Any]) -> None:
-    """Write RayJob.status the way KubeRay does (kwok runs no submitter, so no one else will)."""
-    kubectl(
-        "-n", ns, "patch", "rayjob", rayjob, "--subresource=status", "--type=merge",
-        "-p", json.dumps({"status": status}),
-    )  # fmt: skip
+def install_operator(kubectl: Kubectl, namespace: str = OPERATOR_NAMESPACE) -> str:
+    """`helm upgrade --install` of charts/rlkube; returns the operator pod's name once it is Ready."""
+    values = Path(kubectl.kubeconfig).parent / "rlkube-values.yaml"
+    values.write_text(yaml.safe_dump(operator_values()))
+    argv = [
+        str(helm_binary()), "upgrade", "--install", "rlkube", str(CHART), "--namespace", namespace,
+        "--create-namespace", "--values", str(values), "--kubeconfig", str(kubectl.kubeconfig), "--wait",
+        "--timeout", "5m",
+    ]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=400)
+    if proc.returncode != 0:
+        raise DemoError(f"helm install failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
+    pods = kubectl.json("-n", namespace, "get", "pods", "-l", "app.kubernetes.io/name=rlkube")["items"]
+    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    return str(live[0]["metadata"]["name"]) if live else "?"
 
 
-def _retire_fake_submitter(kubectl: Kubectl, ns: str, rayjob: str) -> None:
-    """Keep KubeRay from failing the RayJob because kwok finished its submitter at once.
-
-    In K8sJobMode KubeRay's submitter Job runs `ray job submit`, which follows the Ray job until it
-    ends. kwok completes every Job pod as soon as it runs, and KubeRay v1.5 marks a RayJob Failed 30 s
-    after its submitter finished without a terminal Ray job status
-    (JobDeploymentStatusTransitionGracePeriodExceeded). So once that fake completion shows, the demo
-    deletes the submitter Job; KubeRay then keeps the RayJob Running (it retries the lookup) and the
-    demo reports the job's outcome on the RayJob itself, as the submitter would have.
-    """
-    selector = f"ray.io/originated-from-crd=RayJob,ray.io/originated-from-cr-name={rayjob}"
-
-    def submitter() -> dict[str, Any] | None:
-        items = kubectl.json("-n", ns, "get", "jobs", "-l", selector)["items"]
-        return dict(items[0]) if items else None
-
-    job = _poll(submitter, 60, "KubeRay's submitter Job", interval=0.5)
-    name = job["metadata"]["name"]
-
-    def finished() -> bool:
-        conds = (submitter() or {}).get("status", {}).get("conditions") or []
-        return any(c["type"] in ("Complete", "Failed") and c["status"] == "True" for c in conds)
-
-    with contextlib.suppress(DemoError):  # a submitter kept running (no fake completion) is left alone
-        _poll(finished, 10, "the submitter Job to finish", interval=0.5)
-    if not finished():
-        say(f"    KubeRay's submitter Job {name} is running; it stays")
-        return
-    kubectl("-n", ns, "delete", "job", name, "--cascade=background", "--wait=false")
-    say(
-        f"    kwok completed KubeRay's submitter Job {name} at once (a real one runs `ray job submit` until "
-        "the Ray job ends, and KubeRay would fail the RayJob 30 s after it finished): the demo deleted it "
-        "and reports the job's state on the RayJob itself"
-    )
+def load_images(cluster: DevCluster) -> list[str]:
+    """Build (cached) and import the runtime and operator images into the real node's containerd."""
+    builder = Builder()
+    loaded = []
+    for which in ("runtime-cpu", "operator"):
+        t0 = time.monotonic()
+        layout, _ = build_image(which, builder)
+        built = time.monotonic() - t0
+        t1 = time.monotonic()
+        fresh = import_layout(layout, ["ctr", "--address", str(RUN_DIR / "containerd.sock"), "-n", "k8s.io"])
+        loaded.append(
+            f"{IMAGES[which].name}: built in {built:.0f} s, "
+            + (f"imported in {time.monotonic() - t1:.0f} s" if fresh else "already in the node's containerd")
+        )
+    say(f"    layers built {len(builder.built)}, reused {len(builder.reused)}")
+    return loaded
 
 
 def _pods_running(kubectl: Kubectl, ns: str, cluster: str) -> list[str] | None:
@@ -293,26 +239,6 @@ class RowPrinter:
 # ------------------------------------------------------------------------------------------- the run
 
 
-def _entrypoint_argv(rayjob: dict[str, Any], cm: dict[str, Any], workdir: Path) -> tuple[list[str], Path]:
-    """The RayJob's entrypoint with the ConfigMap's mount path replaced by a local copy of the file."""
-    head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
-    mount = next(
-        m["mountPath"] for m in head["containers"][0].get("volumeMounts", []) if m["name"] == CONFIG_VOLUME
-    )
-    config_dir = workdir / "etc-rlkube"
-    config_dir.mkdir(parents=True, exist_ok=True)
-    for key, text in (cm.get("data") or {}).items():
-        (config_dir / key).write_text(text)
-    entry = str(rayjob["spec"]["entrypoint"]).replace(mount.rstrip("/"), str(config_dir))
-    return shlex.split(entry), config_dir
-
-
-def _container_env(rayjob: dict[str, Any], config_dir: Path, mount: str = "/etc/rlkube") -> dict[str, str]:
-    """The head container's rendered env (identity vars, platform vars) with local config paths."""
-    head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
-    return {e["name"]: str(e.get("value", "")).replace(mount, str(config_dir)) for e in head.get("env", [])}
-
-
 def run_demo(args: argparse.Namespace) -> int:
     """Steps 1-7 of the demo; returns the exit status."""
     state_dir = Path(args.state_dir).resolve() if args.state_dir else default_state_dir()
@@ -320,193 +246,110 @@ def run_demo(args: argparse.Namespace) -> int:
     example = yaml.safe_load(example_path.read_text())
     name = example["metadata"]["name"]
     ns = args.namespace
-    workdir = Path(args.workdir).resolve()
     total_steps = int(example["spec"]["training"]["totalSteps"])
 
-    # 1. control plane
-    cluster = DevCluster(
-        state_dir, ClusterConfig(gpu_nodes=1, gpus_per_node=8, cpu_nodes=1, timeout_s=args.timeout)
-    )
+    # 1. control plane + real node
+    cluster = DevCluster(state_dir, ClusterConfig(real_node="on", timeout_s=args.timeout))
     user = f"demo-{os.getpid()}"
     reused = cluster.healthy()
     if reused:
-        say(f"1/7 reusing the local control plane that already runs in {state_dir}")
+        say(f"1/7 reusing the local cluster that already runs in {state_dir}")
     else:
         say(
-            f"1/7 starting a local Kubernetes control plane in {state_dir}: real etcd, kube-apiserver, "
-            "controller-manager, scheduler and KubeRay operator as plain processes; kwok fakes one "
-            "8-GPU AMD node and one CPU node (10-60 s)"
+            f"1/7 starting a local Kubernetes cluster in {state_dir}: etcd, kube-apiserver, "
+            "controller-manager, scheduler and the KubeRay operator as processes; one real CPU node "
+            "(containerd + runc, kubelet, "
+            "kube-proxy, CoreDNS); kwok fakes four 8-GPU AMD nodes (no GPU here)"
         )
     try:
         state = cluster.up(owner="demo")
         cluster.attach(user)  # marks it in use, so a finishing pytest session leaves it running
     except DevClusterError as err:
-        raise DemoError(f"the control plane did not start:\n{err}") from err
+        raise DemoError(f"the cluster did not start (the demo needs the real node):\n{err}") from err
     kubectl = Kubectl(cluster.kubeconfig)
     say(f"    API server {state['server']}; kubeconfig {cluster.kubeconfig}")
     started_here = not reused
-    operator: Operator | None = None
-    trainer: subprocess.Popen[bytes] | None = None
     ok = False
     try:
-        kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD_FILE))
-        _poll(lambda: _crd_established(kubectl), 60, "the RLJob CRD to be Established", interval=0.3)
+        # 2. images
+        say("2/7 building the runtime image (Dockerfile.cpu) and the operator image (operator/Dockerfile) "
+            "without Docker, cached by layer, and importing them into the node's containerd")  # fmt: skip
+        for line in load_images(cluster):
+            say(f"    {line}")
+
+        # 3. operator, as a pod
+        say(f"3/7 helm install charts/rlkube into {OPERATOR_NAMESPACE} (the operator runs as a pod with its "
+            "chart's ServiceAccount and RBAC)")  # fmt: skip
+        pod = install_operator(kubectl)
+        say(f"    operator pod {OPERATOR_NAMESPACE}/{pod} is Ready")
         kubectl.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
-        # 2. operator
-        op_log = cluster.logs_dir / "operator.log"
-        say(f"2/7 starting the rlkube operator, watching namespace {ns} (log: {op_log})")
-        operator = Operator(cluster.kubeconfig, ns, op_log)
-        operator.wait_live()
-        say("    operator is live")
-        if _exists(kubectl, ns, "rljob", name):  # after the operator is up: its finalizer must run
+        if _exists(kubectl, ns, "rljob", name):
             say(f"    deleting the RLJob {ns}/{name} left from an earlier run (and its children)")
-            kubectl("-n", ns, "delete", "rljob", name, "--wait=true", "--timeout=90s", timeout=120)
+            kubectl("-n", ns, "delete", "rljob", name, "--wait=true", "--timeout=120s", timeout=150)
         _poll(lambda: not _exists(kubectl, ns, "rayjob", name), 120, "an earlier run's RayJob to go away")
 
-        # 3. task
+        # 4. task
         say(
-            f"3/7 preparing the tiny task under {Path(example['spec']['model']['path']).parent}: a small "
-            "Qwen2-shaped model with a short supervised warm start, and arithmetic train/held-out prompts"
+            f"4/7 preparing the tiny task under {Path(example['spec']['model']['path']).parent} "
+            "(mounted into the pods): a small Qwen2-shaped model with a short supervised warm start, "
+            "arithmetic prompts"
         )
         warm = prepare_task(example)
         if warm is not None:
             say(f"    warm-started model answers {warm:.0%} of the held-out prompts (greedy)")
 
-        # 4. apply
-        say(f"4/7 kubectl -n {ns} apply -f {example_path.relative_to(REPO_ROOT)}")
-        out = kubectl("-n", ns, "apply", "-f", str(example_path))
-        say("    " + out.stdout.strip())
-
-        # 5. RayJob, RayCluster, pods
-        say("5/7 waiting for the operator's RayJob, KubeRay's RayCluster and its pods")
-        rj_name = str(_poll(lambda: _phase(kubectl, ns, name).get("rayJobName"), 90, "the RayJob"))
-        say(f"    operator created RayJob {ns}/{rj_name} (+ ConfigMap, ServiceAccount, Role, RoleBinding)")
+        # 5. apply
+        say(f"5/7 kubectl -n {ns} apply -f {example_path.relative_to(REPO_ROOT)}")
+        say("    " + kubectl("-n", ns, "apply", "-f", str(example_path)).stdout.strip())
+        rj_name = str(_poll(lambda: _phase(kubectl, ns, name).get("rayJobName"), 120, "the RayJob"))
+        say(
+            f"    the operator created RayJob {ns}/{rj_name} (+ ConfigMap, ServiceAccount, Role, RoleBinding)"
+        )
         rc_name = str(
             _poll(
                 lambda: kubectl.json("-n", ns, "get", "rayjob", rj_name)["status"].get("rayClusterName"),
-                90,
+                120,
                 "KubeRay to create the RayCluster",
             )
         )
-        say(f"    KubeRay created RayCluster {rc_name}")
-        placed = _poll(lambda: _pods_running(kubectl, ns, rc_name), 120, "the Ray pods to be Running")
-        for p in placed:
-            say(f"    pod {p}: Running")
-        _poll(
-            lambda: any(
-                c["type"] == "ClusterReady" and c["status"] == "True"
-                for c in _phase(kubectl, ns, name).get("conditions") or []
-            ),
-            60,
-            "the RLJob's ClusterReady condition",
+        say(f"    KubeRay created RayCluster {rc_name}; waiting for its pods to run `ray start`")
+        placed = _poll(
+            lambda: _pods_running(kubectl, ns, rc_name), 600, "the Ray pods to be Running", interval=2
         )
-        _retire_fake_submitter(kubectl, ns, rj_name)
+        for p in placed:
+            say(f"    pod {p}: Running (a real container)")
+
+        # 6. train, in the cluster
+        say(f"6/7 KubeRay's submitter runs `ray job submit`; rlkube-train trains {total_steps} steps on the "
+            "Ray head and pushes status.progress with the job's own ServiceAccount token")  # fmt: skip
         rows = RowPrinter(kubectl, ns)
         rows.show()
-        say(
-            "    kwok fakes the pods: no container runs here, so the demo now executes the RayJob's "
-            "rendered entrypoint on this host with its rendered config"
-        )
-        rayjob = kubectl.json("-n", ns, "get", "rayjob", rj_name)
-        head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]
-        cm_name = next(v["configMap"]["name"] for v in head["volumes"] if v["name"] == CONFIG_VOLUME)
-        cm = kubectl.json("-n", ns, "get", "configmap", cm_name)
-        if workdir.exists():
-            shutil.rmtree(workdir)
-        workdir.mkdir(parents=True)
-        argv, config_dir = _entrypoint_argv(rayjob, cm, workdir)
-        resolved = yaml.safe_load((config_dir / "rljob.yaml").read_text())
-        ckpt = ((resolved.get("spec") or {}).get("checkpoint") or {}).get("path")
-        if ckpt and Path(ckpt).exists():
-            shutil.rmtree(ckpt)  # a finished earlier run's checkpoint would make this one resume at the end
-        sa = head.get("serviceAccountName") or f"{name}-runtime"
-        sa_config = workdir / "runtime-kubeconfig"
-        token_kubeconfig(kubectl, sa_config, ns, sa)
-        as_sa = Kubectl(sa_config)
-        can_patch = as_sa("auth", "can-i", "patch", f"rljobs.rlkube.io/{name}", "--subresource=status",
-                          check=False).stdout.strip()  # fmt: skip
-        can_delete = as_sa("auth", "can-i", "delete", "rljobs.rlkube.io", check=False).stdout.strip()
-        say(
-            f"    credentials: a token of ServiceAccount {ns}/{sa} (may patch rljob/{name} status: "
-            f"{can_patch}; may delete RLJobs: {can_delete})"
-        )
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KUBERNETES_SERVICE")}
-        env.update(_container_env(rayjob, config_dir))
-        env.update(
-            {
-                "RLKUBE_RLJOB_NAME": env.get("RLKUBE_RLJOB_NAME", name),
-                "RLKUBE_RLJOB_NAMESPACE": env.get("RLKUBE_RLJOB_NAMESPACE", ns),
-                "KUBECONFIG": str(sa_config),
-                "RLKUBE_KUBECONFIG": str(sa_config),
-                "PYTHONSAFEPATH": "1",
-                "PATH": f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}",
-            }
-        )
-        train_log = workdir / "train.log"
-        say(f"    $ {' '.join(shlex.quote(a) for a in argv)}   (cwd {workdir}, log {train_log})")
-
-        # 6. run, watch, report as KubeRay would
-        say(f"6/7 training {total_steps} steps; playing KubeRay's part: RayJob jobStatus RUNNING")
-        _rayjob_status(
-            kubectl,
-            ns,
-            rj_name,
-            {"jobStatus": "RUNNING", "jobDeploymentStatus": "Running", "message": "entrypoint runs on host"},
-        )
         start = time.monotonic()
-        with train_log.open("wb") as log:
-            trainer = subprocess.Popen(
-                argv, cwd=workdir, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-            )
-        while trainer.poll() is None:
-            try:
-                trainer.wait(args.interval)
-            except subprocess.TimeoutExpired:
-                rows.show()
-        rc = trainer.returncode
-        took = time.monotonic() - start
-        rows.show()
-        if rc != 0:
-            say(f"    the entrypoint exited {rc} after {took:.0f} s; last lines of {train_log}:")
-            print(_tail(train_log), flush=True)
-            say("    playing KubeRay's part: RayJob jobStatus FAILED")
-            _rayjob_status(
-                kubectl,
-                ns,
-                rj_name,
-                {
-                    "jobStatus": "FAILED",
-                    "jobDeploymentStatus": "Failed",
-                    "reason": "AppFailed",
-                    "message": f"entrypoint exited {rc}",
-                },
-            )
-            with contextlib.suppress(DemoError):
-                _poll(lambda: _phase_if(kubectl, ns, name, "Failed"), 30, "phase Failed")
+        final: dict[str, Any] = {}
+        deadline = start + args.job_timeout
+        while time.monotonic() < deadline:
+            final = _phase(kubectl, ns, name)
+            if final.get("phase") in ("Succeeded", "Failed"):
+                break
+            time.sleep(args.interval)
             rows.show()
-            return 1
-        say(
-            f"    the entrypoint exited 0 after {took:.0f} s; playing KubeRay's part: the submitter reports "
-            "jobStatus SUCCEEDED, jobDeploymentStatus Complete on the RayJob"
-        )
-        _rayjob_status(
-            kubectl,
-            ns,
-            rj_name,
-            {
-                "jobStatus": "SUCCEEDED",
-                "jobDeploymentStatus": "Complete",
-                "message": "Job finished successfully.",
-            },
-        )
-        final = _poll(lambda: _phase_if(kubectl, ns, name, "Succeeded"), 60, "phase Succeeded")
         rows.show()
+        submitter = _submitter_log(kubectl, ns, rj_name)
+        pushed = [ln for ln in submitter.splitlines() if "status.progress of rljob" in ln]
+        if pushed:
+            say(f"    from the job's log: {pushed[0].strip()[:160]}")
+        if final.get("phase") != "Succeeded":
+            say(f"    RLJob phase {final.get('phase')} after {time.monotonic() - start:.0f} s: "
+                f"{final.get('reason', '')}: {final.get('message', '')}")  # fmt: skip
+            print("\n".join(submitter.splitlines()[-LOG_TAIL_LINES:]), flush=True)
+            return 1
         step = (final.get("progress") or {}).get("step")
-        say(f"    RLJob {ns}/{name} is Succeeded; status.progress.step = {step}/{total_steps}")
+        say(f"    RLJob {ns}/{name} is Succeeded after {time.monotonic() - start:.0f} s; "
+            f"status.progress.step = {step}/{total_steps}")  # fmt: skip
         ok = True
 
-        # 7. results
-        out_dir = _output_dir(train_log, workdir, name)
+        # 7. results (written by the pod onto the node's /tmp/rlkube-demo)
+        out_dir = Path(example["spec"]["model"]["path"]).parent / "outputs" / name
         results = _report(out_dir, cluster, started_here and args.down)
         if args.summary:
             rljob = kubectl.json("-n", ns, "get", "rljob", name)
@@ -514,40 +357,35 @@ def run_demo(args: argparse.Namespace) -> int:
                 "rljob": rljob,
                 "took_s": round(time.monotonic() - _T0, 1),
                 "cluster_ports": sorted(state["ports"].values()),
+                "pods": placed,
+                "submitter_log": submitter[-20000:],
                 **results,
             }
             Path(args.summary).write_text(json.dumps(summary, indent=2))
         return 0
     finally:
-        if trainer is not None and trainer.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(trainer.pid, signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                trainer.wait(20)
-        if operator is not None:
-            say("    stopping the operator")
-            operator.stop()
-        if cluster.detach(user):  # a pytest-started cluster whose sessions are all gone stops here
-            say("    the control plane was started by a pytest session that has ended: stopped it")
+        if cluster.detach(user):
+            say("    the cluster was started by a pytest session that has ended: stopped it")
         elif args.down:
             if started_here:
-                say("    --down: stopping the control plane")
+                say("    --down: stopping the cluster")
                 cluster.down()
             else:
-                say("    --down: the control plane was already running before the demo; left running")
+                say("    --down: the cluster was already running before the demo; left running")
         elif ok:
-            say(f"the control plane keeps running ({cluster.kubeconfig})")
-            say(f"stop it with `{stop_command(cluster)}`")
+            say(f"the cluster keeps running ({cluster.kubeconfig}); stop it with `{stop_command(cluster)}`")
 
 
-def _output_dir(train_log: Path, workdir: Path, name: str) -> Path:
-    """Where the trainer wrote: the path it printed, else its default `outputs/<name>`."""
-    for line in reversed(_tail(train_log, 200).splitlines()):
-        if "metrics " in line and line.startswith("rlkube-train:"):
-            metrics = line.split("metrics ", 1)[1].split(";", 1)[0].strip()
-            p = Path(metrics)
-            return (p if p.is_absolute() else workdir / p).parent
-    return workdir / "outputs" / name
+def _submitter_log(kubectl: Kubectl, ns: str, rayjob: str) -> str:
+    """The output of KubeRay's submitter (`ray job submit` follows the driver's log)."""
+    selector = f"ray.io/originated-from-crd=RayJob,ray.io/originated-from-cr-name={rayjob}"
+    pods = kubectl.json("-n", ns, "get", "pods", "-l", selector)["items"]
+    if not pods:
+        jobs = kubectl.json("-n", ns, "get", "jobs", "-l", selector)["items"]
+        if not jobs:
+            return ""
+        return kubectl("-n", ns, "logs", f"job/{jobs[0]['metadata']['name']}", check=False).stdout
+    return kubectl("-n", ns, "logs", pods[-1]["metadata"]["name"], check=False, timeout=60).stdout
 
 
 def stop_command(cluster: DevCluster) -> str:
@@ -600,11 +438,8 @@ def _parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     p.add_argument("--example", type=Path, default=DEFAULT_EXAMPLE, help="the RLJob to apply")
     p.add_argument("--namespace", default=DEFAULT_NAMESPACE)
-    p.add_argument(
-        "--workdir", type=Path, default=Path("/tmp/rlkube-demo/run"),
-        help="where the entrypoint runs: rendered config, SA kubeconfig, train.log, outputs/ (wiped first)",
-    )  # fmt: skip
-    p.add_argument("--interval", type=float, default=5.0, help="seconds between `kubectl get rljobs`")
+    p.add_argument("--interval", type=float, default=10.0, help="seconds between `kubectl get rljobs`")
+    p.add_argument("--job-timeout", type=float, default=1800.0, help="seconds to wait for the RLJob to end")
     p.add_argument("--timeout", type=float, default=300.0, help="control plane start timeout (s)")
     p.add_argument("--down", action="store_true", help="stop the control plane at the end (if started here)")
     p.add_argument(

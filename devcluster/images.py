@@ -371,7 +371,7 @@ class Builder:
         if kw == "WORKDIR":
             path = substitute(ins.args.strip(), scope)
             cfg.workdir = path if path.startswith("/") else str(Path(cfg.workdir) / path)
-            script = f"mkdir -p {shlex.quote('/merged' + cfg.workdir)}"
+            script = f"mkdir -p {shlex.quote('@MERGED@' + cfg.workdir)}"
             return self._layer(stage, ins, script, extra=cfg.workdir)
         if kw in ("COPY", "ADD"):
             words = [substitute(w, scope) for w in ins.words()]
@@ -385,7 +385,7 @@ class Builder:
                     raise DevClusterError(f"{dockerfile}:{ins.line}: COPY --from={from_stage}: no such stage")
                 src_stage = stages[from_stage]
                 extra = f"from={src_stage.key}"
-                script = self._copy_script([("/src" + s) for s in srcs], dest, chown, many=len(srcs) > 1)
+                script = self._copy_script([("@FROM@" + s) for s in srcs], dest, chown, many=len(srcs) > 1)
                 return self._layer(stage, ins, script, extra=extra, from_stage=src_stage)
             paths = []
             for s in srcs:
@@ -409,7 +409,7 @@ class Builder:
                 tmp.mkdir(parents=True, exist_ok=True)
                 tmp.rename(staged)
             rels = [str(p.relative_to(self.context)) for p in paths]
-            script = self._copy_script([f"/ctx/{r}" for r in rels], dest, chown, many=len(rels) > 1)
+            script = self._copy_script([f"@CTX@/{r}" for r in rels], dest, chown, many=len(rels) > 1)
             return self._layer(stage, ins, script, extra=extra, context_dir=staged)
         if kw == "RUN":
             env = {**args, **cfg.env}
@@ -424,7 +424,7 @@ class Builder:
     def _copy_script(srcs: list[str], dest: str, chown: str, many: bool) -> str:
         """Docker's COPY: a directory's contents go into dest; several sources (or dest/) mean a
         directory. Files belong to root unless --chown (then the whole dest is chowned)."""
-        d = "/merged" + dest
+        d = "@MERGED@" + dest
         dir_dest = dest.endswith("/") or many
         lines = ["set -e", f"mkdir -p {shlex.quote(d if dir_dest else str(Path(d).parent))}"]
         for s in srcs:
@@ -440,7 +440,7 @@ class Builder:
                 )
         if chown:
             owner = chown if ":" in chown else f"{chown}:{chown}"
-            lines.append(f"chroot /merged chown -R {shlex.quote(owner)} {shlex.quote(dest)}")
+            lines.append(f"chroot @MERGED@ chown -R {shlex.quote(owner)} {shlex.quote(dest)}")
         return "\n".join(lines)
 
     def _config_only(self, stage: Stage, ins: Instruction, extra: str) -> None:
@@ -520,9 +520,9 @@ class Builder:
         body: list[str] = []
         if script is not None:
             body.append(
-                script.replace("/merged", "$M")
-                .replace("/src/", f"{ns / 'src'}/")
-                .replace("/ctx/", f"{ns / 'ctx'}/")
+                script.replace("@MERGED@", "$M")
+                .replace("@FROM@", str(ns / "src"))
+                .replace("@CTX@", str(ns / "ctx"))
             )
         if run is not None:
             argv, env, mounts = run
