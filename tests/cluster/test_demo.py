@@ -1,7 +1,8 @@
-"""`make demo` end to end: its own control plane, the operator, the tiny RLJob trained on the host.
+"""`make demo` end to end in real pods: helm-installed operator, KubeRay's Ray and submitter, the
+tiny RLJob trained in the cluster with its progress pushed from the pod.
 
 Runs the demo exactly as `make demo` does (a subprocess of `python -m rlkube.devcluster.demo`), with
-its own state dir, work dir and namespace, and `--down` so nothing stays running.
+its own state dir and namespace, and `--down` so nothing stays running.
 """
 
 from __future__ import annotations
@@ -23,26 +24,27 @@ EXAMPLE = REPO / "examples" / "tiny-arith.yaml"
 
 @pytest.mark.slow
 @pytest.mark.cluster
-@pytest.mark.timeout(1500)
+@pytest.mark.realpods
+@pytest.mark.timeout(2400)
 def test_make_demo_end_to_end(tmp_path: Path) -> None:
     state_dir, summary = tmp_path / "cluster", tmp_path / "summary.json"
     argv = [
         sys.executable, "-m", "rlkube.devcluster.demo",
-        "--state-dir", str(state_dir), "--workdir", str(tmp_path / "run"),
+        "--state-dir", str(state_dir),
         "--namespace", "demo-test", "--summary", str(summary), "--down", "--interval", "10",
     ]  # fmt: skip
     env = {**os.environ, "PYTHONSAFEPATH": "1"}
     env.pop("KUBECONFIG", None)
-    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=1400, cwd=REPO)
+    proc = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=2300, cwd=REPO)
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"demo exited {proc.returncode}:\n{out[-6000:]}"
 
     # The story it tells, in order.
     at = 0
     for line in (
-        "1/7", "2/7", "3/7", "4/7", "5/7",
-        "kwok fakes the pods: no container runs here",
-        "6/7", "jobStatus SUCCEEDED", "7/7", "reward curve", "TensorBoard", "held-out reward",
+        "1/7", "2/7", "3/7", "operator pod", "4/7", "5/7", "a real container",
+        "6/7", "status.progress of rljob", "is Succeeded", "7/7", "reward curve", "TensorBoard",
+        "held-out reward",
     ):  # fmt: skip
         assert line in proc.stdout[at:], (
             f"{line!r} missing or out of order in the demo output:\n{out[-6000:]}"
@@ -59,7 +61,10 @@ def test_make_demo_end_to_end(tmp_path: Path) -> None:
     steps = [tok for line in out.splitlines() if "tiny-arith" in line for tok in line.split() if "/" in tok]
     assert any(s.split("/")[0].isdigit() and 0 < int(s.split("/")[0]) < total for s in steps), out[-4000:]
 
-    # It never looked Failed on the way (KubeRay fails a RayJob whose submitter finished too early).
+    # The pods were real and on the real node; the progress came from the pod (the job's own log).
+    assert result["pods"] and all("real-cpu-000" in p for p in result["pods"]), result["pods"]
+    assert "status.progress of rljob demo-test/tiny-arith pushed" in result["submitter_log"]
+    # It never looked Failed on the way.
     assert not [line for line in out.splitlines() if "tiny-arith" in line and " Failed " in line], out[-4000:]
 
     curve = Path(result["reward_curve"])
