@@ -14,7 +14,6 @@ import os
 import sys
 from pathlib import Path
 
-
 OUTPUT_DIR_ENV = "RLKUBE_OUTPUT_DIR"
 
 

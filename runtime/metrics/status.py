@@ -124,5 +124,7 @@ class StatusPusher:
             return False
         self.pushed += 1
         if self.pushed == 1:  # one line, so a pod's log shows where its progress goes
-            log.info("status.progress of rljob %s/%s pushed (step %s)", self.namespace, self.name, progress.step)
+            log.info(
+                "status.progress of rljob %s/%s pushed (step %s)", self.namespace, self.name, progress.step
+            )
         return True
