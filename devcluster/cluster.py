@@ -584,7 +584,7 @@ class DevCluster:
         node.write_configs(certs, server, ports, {**node_tokens, "coredns": token})
         fds = (lock_fd,)
         self._spawn("containerd", Path(shutil.which("containerd") or "containerd"), node.containerd_args(),
-                    [], state, pass_fds=fds)  # fmt: skip
+                    [], state, env=node.containerd_env(), pass_fds=fds)  # fmt: skip
         self._wait(deadline, "containerd's socket", lambda: node.ctr("version").returncode == 0)
         import_layout(pause_layout(node.bins.pause), ["ctr", "--address", str(node.sock), "-n", "k8s.io"])
         api.create(

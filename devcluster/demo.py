@@ -17,27 +17,21 @@ import contextlib
 import json
 import os
 import shutil
-import socket
-import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import yaml
 
-from .binaries import REPO_ROOT, cache_dir, module_version
+from .binaries import REPO_ROOT
 from .cluster import ClusterConfig, DevCluster, default_state_dir
 from .errors import DevClusterError
-from .images import IMAGES, Builder, build_image, import_layout
-from .node import REAL_NODE_LABEL, RUN_DIR
+from .realpods import install_operator, load_images, pods_report, poll, wait_ray_pods_ready
 from .testing import Kubectl, KubectlError
 
-T = TypeVar("T")
 DEFAULT_EXAMPLE = REPO_ROOT / "examples" / "tiny-arith.yaml"
 DEFAULT_NAMESPACE = "rlkube-demo"
-CHART = REPO_ROOT / "charts" / "rlkube"
 OPERATOR_NAMESPACE = "rlkube-system"
 LOG_TAIL_LINES = 40
 
@@ -52,36 +46,6 @@ _T0 = time.monotonic()
 def say(msg: str) -> None:
     """One plain-words progress line, with the seconds since the demo started."""
     print(f"[demo {time.monotonic() - _T0:6.1f}s] {msg}", flush=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError as err:
-        return f"(no log: {err})"
-
-
-def _poll(fn: Callable[[], T | None], timeout: float, what: str, interval: float = 1.0) -> T:
-    """Poll `fn` until truthy; a timeout raises DemoError naming `what` and the last error seen."""
-    deadline = time.monotonic() + timeout
-    last: Exception | None = None
-    while True:
-        try:
-            result = fn()
-            if result:
-                return result
-        except Exception as exc:  # not created yet, a transient API error: keep polling
-            last = exc
-        if time.monotonic() > deadline:
-            extra = f" (last error: {last})" if last else ""
-            raise DemoError(f"timed out after {timeout:.0f} s waiting for {what}{extra}")
-        time.sleep(interval)
 
 
 # ------------------------------------------------------------------------------------- the tiny task
@@ -119,75 +83,16 @@ def prepare_task(example: dict[str, Any]) -> float | None:
     return float(task.warm_accuracy)
 
 
+def _outputs_dir(example: dict[str, Any]) -> Path:
+    """The RLJob's RLKUBE_OUTPUT_DIR, created writable for the pods' user (uid 1000, not root)."""
+    env = {e["name"]: e["value"] for e in example["spec"].get("env") or ()}
+    out = Path(env.get("RLKUBE_OUTPUT_DIR") or Path(example["spec"]["model"]["path"]).parent / "outputs")
+    out.mkdir(parents=True, exist_ok=True)
+    out.chmod(0o1777)
+    return out
+
+
 # --------------------------------------------------------------------------------------- kubernetes
-
-
-def helm_binary() -> Path:
-    path = cache_dir() / f"helm-{module_version('helm')}" / "bin" / "helm"
-    if not os.access(path, os.X_OK):
-        raise DemoError(f"{path} missing: run `make cluster-build`")
-    return path
-
-
-def operator_values() -> dict[str, Any]:
-    """Chart values for the devcluster: the locally built images, and the real node for the operator,
-    the Ray heads and KubeRay's submitters (its taint keeps every other pod on the fake nodes)."""
-    toleration = {"key": REAL_NODE_LABEL, "operator": "Exists", "effect": "NoSchedule"}
-    runtime = IMAGES["runtime-cpu"].name
-    repo, tag = IMAGES["operator"].name.rsplit(":", 1)
-    return {
-        "image": {"repository": repo, "tag": tag, "pullPolicy": "Never"},
-        "nodeSelector": {REAL_NODE_LABEL: "true"},
-        "tolerations": [toleration],
-        "resources": {
-            "requests": {"cpu": "50m", "memory": "128Mi"},
-            "limits": {"cpu": "1", "memory": "512Mi"},
-        },
-        "runtimeDefaults": {
-            "vendorImages": {"cpu": runtime},
-            "imagePullPolicy": "IfNotPresent",
-            "headNodeSelector": {REAL_NODE_LABEL: "true"},
-            "headTolerations": [toleration],
-            # Two real cores: requests at a quarter of the limits so head, worker, submitter and
-            # operator fit; Ray still sees each pod's full CPU limit.
-            "cpuRequestPercent": 25,
-        },
-    }
-
-
-def install_operator(kubectl: Kubectl, namespace: str = OPERATOR_NAMESPACE) -> str:
-    """`helm upgrade --install` of charts/rlkube; returns the operator pod's name once it is Ready."""
-    values = Path(kubectl.kubeconfig).parent / "rlkube-values.yaml"
-    values.write_text(yaml.safe_dump(operator_values()))
-    argv = [
-        str(helm_binary()), "upgrade", "--install", "rlkube", str(CHART), "--namespace", namespace,
-        "--create-namespace", "--values", str(values), "--kubeconfig", str(kubectl.kubeconfig), "--wait",
-        "--timeout", "5m",
-    ]  # fmt: skip
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=400)
-    if proc.returncode != 0:
-        raise DemoError(f"helm install failed:\n{proc.stdout[-2000:]}{proc.stderr[-2000:]}")
-    pods = kubectl.json("-n", namespace, "get", "pods", "-l", "app.kubernetes.io/name=rlkube")["items"]
-    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
-    return str(live[0]["metadata"]["name"]) if live else "?"
-
-
-def load_images(cluster: DevCluster) -> list[str]:
-    """Build (cached) and import the runtime and operator images into the real node's containerd."""
-    builder = Builder()
-    loaded = []
-    for which in ("runtime-cpu", "operator"):
-        t0 = time.monotonic()
-        layout, _ = build_image(which, builder)
-        built = time.monotonic() - t0
-        t1 = time.monotonic()
-        fresh = import_layout(layout, ["ctr", "--address", str(RUN_DIR / "containerd.sock"), "-n", "k8s.io"])
-        loaded.append(
-            f"{IMAGES[which].name}: built in {built:.0f} s, "
-            + (f"imported in {time.monotonic() - t1:.0f} s" if fresh else "already in the node's containerd")
-        )
-    say(f"    layers built {len(builder.built)}, reused {len(builder.reused)}")
-    return loaded
 
 
 def _pods_running(kubectl: Kubectl, ns: str, cluster: str) -> list[str] | None:
@@ -203,9 +108,14 @@ def _phase(kubectl: Kubectl, ns: str, name: str) -> dict[str, Any]:
     return dict(kubectl.json("-n", ns, "get", "rljob", name).get("status") or {})
 
 
-def _phase_if(kubectl: Kubectl, ns: str, name: str, phase: str) -> dict[str, Any] | None:
-    st = _phase(kubectl, ns, name)
-    return st if st.get("phase") == phase else None
+def _rljob_report(kubectl: Kubectl, ns: str, name: str) -> str:
+    """The RLJob's phase, reason and message, and its pods (for a wait that ran out)."""
+    try:
+        st = _phase(kubectl, ns, name)
+    except Exception as exc:
+        return f"rljob {ns}/{name}: cannot read ({exc})"
+    head = f"rljob {ns}/{name}: {st.get('phase')} ({st.get('reason', '')}): {st.get('message', '')}"
+    return head + "\n" + pods_report(kubectl, ns, "ray.io/cluster")
 
 
 def _exists(kubectl: Kubectl, ns: str, kind: str, name: str) -> bool:
@@ -274,50 +184,68 @@ def run_demo(args: argparse.Namespace) -> int:
         # 2. images
         say("2/7 building the runtime image (Dockerfile.cpu) and the operator image (operator/Dockerfile) "
             "without Docker, cached by layer, and importing them into the node's containerd")  # fmt: skip
-        for line in load_images(cluster):
+        for line in load_images(lambda m: say(f"    {m}")):
             say(f"    {line}")
 
         # 3. operator, as a pod
         say(f"3/7 helm install charts/rlkube into {OPERATOR_NAMESPACE} (the operator runs as a pod with its "
-            "chart's ServiceAccount and RBAC)")  # fmt: skip
-        pod = install_operator(kubectl)
+            f"chart's ServiceAccount and RBAC; it watches {ns})")  # fmt: skip
+        pod = install_operator(kubectl, OPERATOR_NAMESPACE, watch_namespaces=[ns])
         say(f"    operator pod {OPERATOR_NAMESPACE}/{pod} is Ready")
         kubectl.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
         if _exists(kubectl, ns, "rljob", name):
             say(f"    deleting the RLJob {ns}/{name} left from an earlier run (and its children)")
-            kubectl("-n", ns, "delete", "rljob", name, "--wait=true", "--timeout=120s", timeout=150)
-        _poll(lambda: not _exists(kubectl, ns, "rayjob", name), 120, "an earlier run's RayJob to go away")
+            kubectl("-n", ns, "delete", "rljob", name, "--wait=true", "--timeout=180s", timeout=200)
+        poll(
+            lambda: not kubectl.json("-n", ns, "get", "pods", "-l", "ray.io/cluster")["items"],
+            300,
+            "an earlier run's Ray pods to go away",
+            on_timeout=lambda: pods_report(kubectl, ns, "ray.io/cluster"),
+        )
 
         # 4. task
+        task_dir = Path(example["spec"]["model"]["path"]).parent
         say(
-            f"4/7 preparing the tiny task under {Path(example['spec']['model']['path']).parent} "
-            "(mounted into the pods): a small Qwen2-shaped model with a short supervised warm start, "
-            "arithmetic prompts"
+            f"4/7 preparing the tiny task under {task_dir} (mounted into the pods from the node): a small "
+            "Qwen2-shaped model with a short supervised warm start, arithmetic prompts"
         )
         warm = prepare_task(example)
         if warm is not None:
             say(f"    warm-started model answers {warm:.0%} of the held-out prompts (greedy)")
+        out_dir = _outputs_dir(example) / name
+        shutil.rmtree(out_dir, ignore_errors=True)  # this run's results only
 
         # 5. apply
         say(f"5/7 kubectl -n {ns} apply -f {example_path.relative_to(REPO_ROOT)}")
         say("    " + kubectl("-n", ns, "apply", "-f", str(example_path)).stdout.strip())
-        rj_name = str(_poll(lambda: _phase(kubectl, ns, name).get("rayJobName"), 120, "the RayJob"))
+        rj_name = str(
+            poll(
+                lambda: _phase(kubectl, ns, name).get("rayJobName"),
+                180,
+                "the operator to create the RayJob",
+                on_timeout=lambda: (
+                    _rljob_report(kubectl, ns, name)
+                    + "\n"
+                    + pods_report(kubectl, OPERATOR_NAMESPACE, "app.kubernetes.io/name=rlkube")
+                ),
+            )
+        )
         say(
             f"    the operator created RayJob {ns}/{rj_name} (+ ConfigMap, ServiceAccount, Role, RoleBinding)"
         )
         rc_name = str(
-            _poll(
+            poll(
                 lambda: kubectl.json("-n", ns, "get", "rayjob", rj_name)["status"].get("rayClusterName"),
-                120,
+                180,
                 "KubeRay to create the RayCluster",
+                on_timeout=lambda: _rljob_report(kubectl, ns, name),
             )
         )
         say(f"    KubeRay created RayCluster {rc_name}; waiting for its pods to run `ray start`")
-        placed = _poll(
-            lambda: _pods_running(kubectl, ns, rc_name), 600, "the Ray pods to be Running", interval=2
-        )
+        pods = wait_ray_pods_ready(kubectl, ns, rc_name, timeout=args.pods_timeout)
+        placed = [f"{p['metadata']['name']} on {p['spec'].get('nodeName')}" for p in pods]
         for p in placed:
-            say(f"    pod {p}: Running (a real container)")
+            say(f"    pod {p}: Running and Ready (a real container)")
 
         # 6. train, in the cluster
         say(f"6/7 KubeRay's submitter runs `ray job submit`; rlkube-train trains {total_steps} steps on the "
@@ -349,7 +277,6 @@ def run_demo(args: argparse.Namespace) -> int:
         ok = True
 
         # 7. results (written by the pod onto the node's /tmp/rlkube-demo)
-        out_dir = Path(example["spec"]["model"]["path"]).parent / "outputs" / name
         results = _report(out_dir, cluster, started_here and args.down)
         if args.summary:
             rljob = kubectl.json("-n", ns, "get", "rljob", name)
@@ -440,6 +367,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--namespace", default=DEFAULT_NAMESPACE)
     p.add_argument("--interval", type=float, default=10.0, help="seconds between `kubectl get rljobs`")
     p.add_argument("--job-timeout", type=float, default=1800.0, help="seconds to wait for the RLJob to end")
+    p.add_argument(
+        "--pods-timeout", type=float, default=900.0, help="seconds to wait for the Ray pods to be Ready"
+    )
     p.add_argument("--timeout", type=float, default=300.0, help="control plane start timeout (s)")
     p.add_argument("--down", action="store_true", help="stop the control plane at the end (if started here)")
     p.add_argument(

@@ -49,6 +49,8 @@ LOCK_FILE = Path("/run/rlkube-real-node.lock")
 RUN_DIR = Path("/run/rlkube-node")  # containerd state + sockets, runc root, netns, CNI leases
 VAR_DIR = Path("/var/lib/rlkube-node")  # kubelet root (pod volumes), wiped on teardown
 SANDBOX_IMAGE = "registry.k8s.io/pause:3.10"
+# Nothing listens on port 1 of loopback: containerd's registry traffic goes nowhere.
+NO_PULL_PROXY = "http://127.0.0.1:1"
 CNI_BIN_DIR = Path("/usr/lib/cni")
 # Host programs the node needs (Debian packages: see devcluster/tools/node-packages.sh).
 HOST_PROGRAMS = ("containerd", "containerd-shim-runc-v2", "runc", "ctr", "iptables", "ip6tables", "ip")
@@ -530,6 +532,12 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 
     def containerd_args(self) -> list[str]:
         return ["--config", str(self.dir / "containerd.toml"), "--log-level", "warn"]
+
+    @staticmethod
+    def containerd_env() -> dict[str, str]:
+        """Every registry pull goes to a proxy that is not there, so a pull fails at once and nothing
+        leaves the machine (images come from the local builder; a missing one is the pod's ErrImagePull)."""
+        return {"HTTP_PROXY": NO_PULL_PROXY, "HTTPS_PROXY": NO_PULL_PROXY, "NO_PROXY": "", "no_proxy": ""}
 
     def kubelet_args(self) -> list[str]:
         return [

@@ -1,0 +1,243 @@
+"""Real-pod tests: RLJobs run in real containers on the devcluster's real node.
+
+The session's cluster must have the real node (`make test` and CI start it; RLKUBE_REAL_NODE=1
+makes its absence an error at start-up); these tests fail, never skip, without it. The images are
+built (cached) and imported, and the operator runs as a pod from `helm install charts/rlkube`
+(release `rlkube-realpods`) watching only the `rp-*` namespaces the tests make, so it never meets
+the RLJobs of other tests (which run their own operator on the host) or of `make demo`.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from rlkube.devcluster.node import NODE_NAME, REAL_NODE_LABEL
+from rlkube.devcluster.realpods import (
+    REAL_NODE_TOLERATION,
+    RUNTIME_IMAGE,
+    install_operator,
+    load_images,
+    pods_report,
+    poll,
+    uninstall_operator,
+)
+from rlkube.devcluster.testing import Kubectl, TestCluster
+
+OPERATOR_NAMESPACE = "rlkube-realpods"
+RELEASE = "rlkube-realpods"
+NAMESPACE_PREFIX = "rp-"
+WORK_DIR = Path("/tmp/rlkube-realpods")
+TASK_DIR = WORK_DIR / "task"
+OUTPUT_DIR = WORK_DIR / "outputs"
+JOB_LABEL = "rlkube.io/rljob"
+
+
+@dataclass
+class RealPods:
+    """The session's real-pod setup: kubectl, the operator pod, the tiny task on the node."""
+
+    kubectl: Kubectl
+    operator_namespace: str
+    release: str
+
+    def operator_pod(self) -> str:
+        from rlkube.devcluster.realpods import wait_operator_ready
+
+        return wait_operator_ready(self.kubectl, self.operator_namespace, self.release)
+
+
+def _require_real_node(devcluster: TestCluster, kubectl: Kubectl) -> None:
+    nodes = kubectl.json("get", "nodes", "-l", f"{REAL_NODE_LABEL}=true")["items"]
+    ready = [
+        n
+        for n in nodes
+        if any(c["type"] == "Ready" and c["status"] == "True" for c in n["status"].get("conditions") or ())
+    ]
+    if ready:
+        return
+    why = "no Ready node labelled " + REAL_NODE_LABEL
+    if devcluster.local is not None:
+        state = devcluster.local.read_state() or {}
+        reason = (state.get("real_node") or {}).get("reason")
+        if reason:
+            why += f" (the cluster started kwok-only: {reason})"
+    pytest.fail(
+        f"real-pod tests need the devcluster's real node: {why}. Run as root after `make cluster-build`; "
+        "RLKUBE_REAL_NODE=1 makes this an error when the cluster starts.",
+        pytrace=False,
+    )
+
+
+@pytest.fixture(scope="session")
+def realpods(devcluster: TestCluster, kubectl: Kubectl) -> Iterator[RealPods]:
+    """Images in the node, the tiny task on it, the operator as a pod (uninstalled at the end)."""
+    _require_real_node(devcluster, kubectl)
+    load_images(lambda _m: None)
+    from rlkube.devcluster.tiny_task import prepare_tiny_task
+
+    prepare_tiny_task(TASK_DIR)
+    OUTPUT_DIR.mkdir(parents=True, exist_ok=True)
+    OUTPUT_DIR.chmod(0o1777)  # the pods run as uid 1000
+    install_operator(kubectl, OPERATOR_NAMESPACE, release=RELEASE, watch_namespaces=[f"{NAMESPACE_PREFIX}*"])
+    try:
+        yield RealPods(kubectl, OPERATOR_NAMESPACE, RELEASE)
+    finally:
+        uninstall_operator(kubectl, OPERATOR_NAMESPACE, RELEASE)
+
+
+def pods_in(kubectl: Kubectl, namespace: str) -> list[dict[str, Any]]:
+    return list(kubectl.json("-n", namespace, "get", "pods")["items"])
+
+
+@pytest.fixture
+def rp_namespace(request: pytest.FixtureRequest, realpods: RealPods) -> Iterator[str]:
+    """A fresh `rp-*` namespace; afterwards its RLJobs are deleted and their pods awaited (so the
+    next test has the node's two cores to itself), then the namespace goes in the background."""
+    kubectl = realpods.kubectl
+    stem = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:36].strip("-")
+    name = f"{NAMESPACE_PREFIX}{stem}-{secrets.token_hex(3)}"
+    kubectl.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+    try:
+        yield name
+    finally:
+        kubectl(
+            "-n", name, "delete", "rljobs", "--all", "--wait=true", "--timeout=180s", check=False, timeout=200
+        )
+        deadline = time.monotonic() + 240
+        while pods_in(kubectl, name) and time.monotonic() < deadline:
+            time.sleep(3)
+        kubectl("delete", "namespace", name, "--wait=false", check=False)
+
+
+def job_spec(
+    *,
+    steps: int = 2,
+    image: str = RUNTIME_IMAGE,
+    reward: str = "arith",
+    trainer_memory: str = "1Gi",
+    head_memory: str = "2Gi",
+    suspend: bool = False,
+) -> dict[str, Any]:
+    """A small CPU RLJob spec on the tiny task, placed on the real node (one head, one worker)."""
+    return {
+        "image": image,
+        "model": {"path": str(TASK_DIR / "model"), "dtype": "float32", "gradientCheckpointing": False},
+        "data": {
+            "train": str(TASK_DIR / "train.jsonl"),
+            "validation": str(TASK_DIR / "heldout.jsonl"),
+            "reward": reward,
+            "maxPromptLength": 8,
+            "maxResponseLength": 4,
+        },
+        "algorithm": {"name": "grpo", "groupSize": 4},
+        "training": {
+            "mode": "sync",
+            "totalSteps": steps,
+            "trainBatchSize": 8,
+            "miniBatchSize": 8,
+            "microBatchSize": 32,
+            "evalIntervalSteps": 0,
+        },
+        "trainer": {
+            "replicas": 1,
+            "gpusPerReplica": 0,
+            "cpusPerReplica": 1,
+            "memory": trainer_memory,
+            "shmSize": "64Mi",
+        },
+        "rollout": {"engine": "hf"},
+        "gpu": {
+            "vendor": "cpu",
+            "nodeSelector": {REAL_NODE_LABEL: "true"},
+            "tolerations": [REAL_NODE_TOLERATION],
+        },
+        "head": {"cpu": 1, "memory": head_memory},
+        "env": [{"name": "RLKUBE_OUTPUT_DIR", "value": str(OUTPUT_DIR)}],
+        "mounts": [
+            {"name": "task", "hostPath": str(WORK_DIR), "mountPath": str(WORK_DIR)},
+            {"name": "outputs", "hostPath": str(OUTPUT_DIR), "mountPath": str(OUTPUT_DIR), "readOnly": False},
+        ],
+        "checkpoint": {"intervalSteps": 0},
+        "ttlSecondsAfterFinished": 0,
+        "suspend": suspend,
+    }
+
+
+def rljob(name: str, **kw: Any) -> dict[str, Any]:
+    return {
+        "apiVersion": "rlkube.io/v1alpha1",
+        "kind": "RLJob",
+        "metadata": {"name": name},
+        "spec": job_spec(**kw),
+    }
+
+
+def status(kubectl: Kubectl, namespace: str, name: str) -> dict[str, Any]:
+    return dict(kubectl.json("-n", namespace, "get", "rljob", name).get("status") or {})
+
+
+def rljob_report(kubectl: Kubectl, namespace: str, name: str) -> str:
+    """The RLJob's status lines, its Events and every pod of the namespace (for a failed wait)."""
+    try:
+        st = status(kubectl, namespace, name)
+    except Exception as exc:
+        return f"rljob {namespace}/{name}: cannot read ({exc})"
+    conds = "\n".join(
+        f"  {c['type']}={c['status']} ({c.get('reason')}): {str(c.get('message', ''))[:300]}"
+        for c in st.get("conditions") or ()
+    )
+    events = kubectl(
+        "-n", namespace, "get", "events", "--field-selector", f"involvedObject.name={name}",
+        "--sort-by=.lastTimestamp", "--no-headers", check=False,
+    ).stdout.strip()  # fmt: skip
+    return (
+        f"rljob {namespace}/{name}: phase {st.get('phase')} ({st.get('reason')}): "
+        f"{str(st.get('message', ''))[:600]}\n{conds}\nevents:\n{events}\n"
+        + pods_report(kubectl, namespace, "")
+    )
+
+
+def wait_status(
+    kubectl: Kubectl,
+    namespace: str,
+    name: str,
+    check: Callable[[dict[str, Any]], bool],
+    timeout: float,
+    what: str,
+) -> dict[str, Any]:
+    """Poll the RLJob's status until `check(status)`; on timeout fail with the RLJob and pod report."""
+    try:
+        return poll(
+            lambda: st if check(st := status(kubectl, namespace, name)) else None,
+            timeout,
+            f"rljob {namespace}/{name}: {what}",
+            interval=3,
+            on_timeout=lambda: rljob_report(kubectl, namespace, name),
+        )
+    except Exception as exc:
+        pytest.fail(str(exc), pytrace=False)
+
+
+def wait_job_pods_ready(
+    kubectl: Kubectl, namespace: str, name: str, timeout: float = 600
+) -> list[dict[str, Any]]:
+    """The RLJob's Ray pods (head + worker) once all are Ready on the real node."""
+    from rlkube.devcluster.realpods import wait_ray_pods_ready
+
+    st = wait_status(kubectl, namespace, name, lambda s: bool(s.get("rayClusterName")), 240, "a RayCluster")
+    try:
+        pods = wait_ray_pods_ready(kubectl, namespace, st["rayClusterName"], timeout=timeout)
+    except Exception as exc:
+        pytest.fail(f"{exc}\n{rljob_report(kubectl, namespace, name)}", pytrace=False)
+    assert all(p["spec"].get("nodeName") == NODE_NAME for p in pods), [
+        p["spec"].get("nodeName") for p in pods
+    ]
+    return pods
