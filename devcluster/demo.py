@@ -27,7 +27,7 @@ import yaml
 from .binaries import REPO_ROOT
 from .cluster import ClusterConfig, DevCluster, default_state_dir
 from .errors import DevClusterError
-from .realpods import install_operator, load_images, pods_report, poll, wait_ray_pods_ready
+from .realpods import install_operator, load_images, pods_report, poll, share_with_pods, wait_ray_pods_ready
 from .testing import Kubectl, KubectlError
 
 DEFAULT_EXAMPLE = REPO_ROOT / "examples" / "tiny-arith.yaml"
@@ -66,6 +66,7 @@ def prepare_task(example: dict[str, Any]) -> float | None:
     spec = example["spec"]
     model_path = Path(spec["model"]["path"])
     task = prepare_tiny_task(model_path.parent)
+    share_with_pods(model_path.parent)
     links = {
         model_path: task.model_dir,
         Path(spec["data"]["train"]): task.train_path,
@@ -278,6 +279,13 @@ def run_demo(args: argparse.Namespace) -> int:
 
         # 7. results (written by the pod onto the node's /tmp/rlkube-demo)
         results = _report(out_dir, cluster, started_here and args.down)
+        mem = memory_peak(cluster)
+        print(
+            f"    memory peak: pods {mem['pods_gib']} GiB (kubepods cgroup), cluster processes "
+            f"{mem['cluster_processes_gib']} GiB (sum of peak RSS)",
+            flush=True,
+        )
+        results["memory_peak"] = mem
         if args.summary:
             rljob = kubectl.json("-n", ns, "get", "rljob", name)
             summary = {
@@ -313,6 +321,23 @@ def _submitter_log(kubectl: Kubectl, ns: str, rayjob: str) -> str:
             return ""
         return kubectl("-n", ns, "logs", f"job/{jobs[0]['metadata']['name']}", check=False).stdout
     return kubectl("-n", ns, "logs", pods[-1]["metadata"]["name"], check=False, timeout=60).stdout
+
+
+def memory_peak(cluster: DevCluster) -> dict[str, float]:
+    """GiB: the pods' peak (the kubelet's kubepods memory cgroup, created with the node) and the sum
+    of the peak RSS (VmHWM) of the cluster's processes; both since the cluster started."""
+    pods = Path("/sys/fs/cgroup/memory/kubepods/memory.max_usage_in_bytes")
+    out = {"pods_gib": 0.0, "cluster_processes_gib": 0.0}
+    with contextlib.suppress(OSError, ValueError):
+        out["pods_gib"] = round(int(pods.read_text()) / 2**30, 2)
+    total_kib = 0
+    for comp in (cluster.read_state() or {}).get("components") or ():
+        with contextlib.suppress(OSError, ValueError):
+            for line in Path(f"/proc/{comp['pid']}/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    total_kib += int(line.split()[1])
+    out["cluster_processes_gib"] = round(total_kib / 2**20, 2)
+    return out
 
 
 def stop_command(cluster: DevCluster) -> str:

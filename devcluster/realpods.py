@@ -62,6 +62,16 @@ def load_images(log: Callable[[str], None] = print) -> list[str]:
     return lines
 
 
+def share_with_pods(root: Path) -> None:
+    """Make a host folder mounted into pods readable by their user (uid 1000, not root): some
+    writers (safetensors) create files 0600."""
+    for path in [root, *root.rglob("*")]:
+        if path.is_symlink():
+            continue
+        mode = path.stat().st_mode
+        path.chmod(mode | (0o755 if path.is_dir() else 0o444))
+
+
 # ----------------------------------------------------------------------------------------- operator
 
 

@@ -27,6 +27,7 @@ from rlkube.devcluster.realpods import (
     load_images,
     pods_report,
     poll,
+    share_with_pods,
     uninstall_operator,
 )
 from rlkube.devcluster.testing import Kubectl, TestCluster
@@ -84,6 +85,7 @@ def realpods(devcluster: TestCluster, kubectl: Kubectl) -> Iterator[RealPods]:
     from rlkube.devcluster.tiny_task import prepare_tiny_task
 
     prepare_tiny_task(TASK_DIR)
+    share_with_pods(TASK_DIR)
     OUTPUT_DIR.mkdir(parents=True, exist_ok=True)
     OUTPUT_DIR.chmod(0o1777)  # the pods run as uid 1000
     install_operator(kubectl, OPERATOR_NAMESPACE, release=RELEASE, watch_namespaces=[f"{NAMESPACE_PREFIX}*"])
