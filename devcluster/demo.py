@@ -27,7 +27,15 @@ import yaml
 from .binaries import REPO_ROOT
 from .cluster import ClusterConfig, DevCluster, default_state_dir
 from .errors import DevClusterError
-from .realpods import install_operator, load_images, pods_report, poll, share_with_pods, wait_ray_pods_ready
+from .realpods import (
+    OPERATOR_IMAGE,
+    install_operator,
+    load_images,
+    pods_report,
+    poll,
+    share_with_pods,
+    wait_ray_pods_ready,
+)
 from .testing import Kubectl, KubectlError
 
 DEFAULT_EXAMPLE = REPO_ROOT / "examples" / "tiny-arith.yaml"
@@ -185,13 +193,14 @@ def run_demo(args: argparse.Namespace) -> int:
         # 2. images
         say("2/7 building the runtime image (Dockerfile.cpu) and the operator image (operator/Dockerfile) "
             "without Docker, cached by layer, and importing them into the node's containerd")  # fmt: skip
-        for line in load_images(lambda m: say(f"    {m}")):
-            say(f"    {line}")
+        digests = load_images(lambda m: say(f"    {m}"))
 
         # 3. operator, as a pod
         say(f"3/7 helm install charts/rlkube into {OPERATOR_NAMESPACE} (the operator runs as a pod with its "
             f"chart's ServiceAccount and RBAC; it watches {ns})")  # fmt: skip
-        pod = install_operator(kubectl, OPERATOR_NAMESPACE, watch_namespaces=[ns])
+        pod = install_operator(
+            kubectl, OPERATOR_NAMESPACE, watch_namespaces=[ns], image_digest=digests[OPERATOR_IMAGE]
+        )
         say(f"    operator pod {OPERATOR_NAMESPACE}/{pod} is Ready")
         kubectl.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
         if _exists(kubectl, ns, "rljob", name):

@@ -40,26 +40,27 @@ class RealPodsError(DevClusterError):
 # ------------------------------------------------------------------------------------------- images
 
 
-def load_images(log: Callable[[str], None] = print) -> list[str]:
+def load_images(log: Callable[[str], None] = print) -> dict[str, str]:
     """Build (cached by layer) and import the runtime and operator images into the node's containerd.
 
-    Returns one line per image saying how long the build and the import took.
+    Logs one line per image (build and import time); returns `{image name: manifest digest}`.
     """
     builder = Builder()
     ctr = ["ctr", "--address", str(RUN_DIR / "containerd.sock"), "-n", "k8s.io"]
-    lines = []
+    digests = {}
     for which in ("runtime-cpu", "operator"):
         t0 = time.monotonic()
         layout, _ = build_image(which, builder)
         built = time.monotonic() - t0
         t1 = time.monotonic()
         fresh = import_layout(layout, ctr)
-        lines.append(
+        digests[IMAGES[which].name] = (layout / "manifest-digest").read_text().strip()
+        log(
             f"{IMAGES[which].name}: built in {built:.0f} s, "
             + (f"imported in {time.monotonic() - t1:.0f} s" if fresh else "already in the node's containerd")
         )
     log(f"layers built {len(builder.built)}, reused {len(builder.reused)}")
-    return lines
+    return digests
 
 
 def share_with_pods(root: Path) -> None:
@@ -82,13 +83,15 @@ def helm_binary() -> Path:
     return path
 
 
-def operator_values(watch_namespaces: list[str] | None = None) -> dict[str, Any]:
+def operator_values(watch_namespaces: list[str] | None = None, image_digest: str = "") -> dict[str, Any]:
     """Chart values for the devcluster: the locally built images, and the real node for the operator,
     the Ray heads and KubeRay's submitters. `watch_namespaces` limits the operator (so a second
-    operator, e.g. a test session's own, never reconciles the same RLJobs)."""
+    operator, e.g. a test session's own, never reconciles the same RLJobs). The image's digest goes
+    into a pod annotation: the tag stays, so a rebuilt image must still roll the Deployment."""
     repo, tag = OPERATOR_IMAGE.rsplit(":", 1)
     return {
         "image": {"repository": repo, "tag": tag, "pullPolicy": "Never"},
+        "podAnnotations": {"rlkube.io/image-digest": image_digest} if image_digest else {},
         "watchNamespaces": list(watch_namespaces or []),
         "nodeSelector": {REAL_NODE_LABEL: "true"},
         "tolerations": [REAL_NODE_TOLERATION],
@@ -120,6 +123,7 @@ def install_operator(
     *,
     release: str = "rlkube",
     watch_namespaces: list[str] | None = None,
+    image_digest: str = "",
     timeout: float = 300,
 ) -> str:
     """`helm upgrade --install` of charts/rlkube; returns the operator pod once it is Ready and stays up.
@@ -128,7 +132,7 @@ def install_operator(
     not minutes later as a job that never starts.
     """
     values = Path(kubectl.kubeconfig).parent / f"{release}-values.yaml"
-    values.write_text(yaml.safe_dump(operator_values(watch_namespaces)))
+    values.write_text(yaml.safe_dump(operator_values(watch_namespaces, image_digest)))
     argv = [
         str(helm_binary()), "upgrade", "--install", release, str(CHART), "--namespace", namespace,
         "--create-namespace", "--values", str(values), "--kubeconfig", str(kubectl.kubeconfig), "--wait",

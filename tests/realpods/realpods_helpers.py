@@ -21,6 +21,7 @@ import pytest
 
 from rlkube.devcluster.node import NODE_NAME, REAL_NODE_LABEL
 from rlkube.devcluster.realpods import (
+    OPERATOR_IMAGE,
     REAL_NODE_TOLERATION,
     RUNTIME_IMAGE,
     install_operator,
@@ -81,14 +82,20 @@ def _require_real_node(devcluster: TestCluster, kubectl: Kubectl) -> None:
 def realpods(devcluster: TestCluster, kubectl: Kubectl) -> Iterator[RealPods]:
     """Images in the node, the tiny task on it, the operator as a pod (uninstalled at the end)."""
     _require_real_node(devcluster, kubectl)
-    load_images(lambda _m: None)
+    digests = load_images(lambda _m: None)
     from rlkube.devcluster.tiny_task import prepare_tiny_task
 
     prepare_tiny_task(TASK_DIR)
     share_with_pods(TASK_DIR)
     OUTPUT_DIR.mkdir(parents=True, exist_ok=True)
     OUTPUT_DIR.chmod(0o1777)  # the pods run as uid 1000
-    install_operator(kubectl, OPERATOR_NAMESPACE, release=RELEASE, watch_namespaces=[f"{NAMESPACE_PREFIX}*"])
+    install_operator(
+        kubectl,
+        OPERATOR_NAMESPACE,
+        release=RELEASE,
+        watch_namespaces=[f"{NAMESPACE_PREFIX}*"],
+        image_digest=digests[OPERATOR_IMAGE],
+    )
     try:
         yield RealPods(kubectl, OPERATOR_NAMESPACE, RELEASE)
     finally:
@@ -107,6 +114,9 @@ def rp_namespace(request: pytest.FixtureRequest, realpods: RealPods) -> Iterator
     stem = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:36].strip("-")
     name = f"{NAMESPACE_PREFIX}{stem}-{secrets.token_hex(3)}"
     kubectl.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
+    outputs = OUTPUT_DIR / name  # this test's results and checkpoints only (nothing to resume from)
+    outputs.mkdir(parents=True, exist_ok=True)
+    outputs.chmod(0o1777)
     try:
         yield name
     finally:
@@ -120,6 +130,7 @@ def rp_namespace(request: pytest.FixtureRequest, realpods: RealPods) -> Iterator
 
 
 def job_spec(
+    namespace: str,
     *,
     steps: int = 2,
     image: str = RUNTIME_IMAGE,
@@ -162,7 +173,7 @@ def job_spec(
             "tolerations": [REAL_NODE_TOLERATION],
         },
         "head": {"cpu": 1, "memory": head_memory},
-        "env": [{"name": "RLKUBE_OUTPUT_DIR", "value": str(OUTPUT_DIR)}],
+        "env": [{"name": "RLKUBE_OUTPUT_DIR", "value": str(OUTPUT_DIR / namespace)}],
         "mounts": [
             {"name": "task", "hostPath": str(WORK_DIR), "mountPath": str(WORK_DIR)},
             {"name": "outputs", "hostPath": str(OUTPUT_DIR), "mountPath": str(OUTPUT_DIR), "readOnly": False},
@@ -173,17 +184,15 @@ def job_spec(
     }
 
 
-def rljob(name: str, **kw: Any) -> dict[str, Any]:
+def rljob(name: str, namespace: str, **kw: Any) -> dict[str, Any]:
+    """The RLJob `name` in `namespace` (job_spec's keywords)."""
+    meta = {"name": name, "namespace": namespace}
     return {
         "apiVersion": "rlkube.io/v1alpha1",
         "kind": "RLJob",
-        "metadata": {"name": name},
-        "spec": job_spec(**kw),
+        "metadata": meta,
+        "spec": job_spec(namespace, **kw),
     }
-
-
-def status(kubectl: Kubectl, namespace: str, name: str) -> dict[str, Any]:
-    return dict(kubectl.json("-n", namespace, "get", "rljob", name).get("status") or {})
 
 
 def rljob_report(kubectl: Kubectl, namespace: str, name: str) -> str:

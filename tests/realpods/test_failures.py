@@ -70,7 +70,7 @@ def test_entrypoint_crash_fails_the_rljob_with_the_containers_own_message(
     realpods: RealPods, rp_namespace: str
 ) -> None:
     kubectl, ns = realpods.kubectl, rp_namespace
-    kubectl.apply(rljob("crash", reward="rlkube_no_such_reward_module:score"), "-n", ns)
+    kubectl.apply(rljob("crash", ns, reward="rlkube_no_such_reward_module:score"))
 
     st = wait_status(kubectl, ns, "crash", lambda s: s.get("phase") in ("Failed", "Succeeded"), 900, "an end")
     assert st["phase"] == "Failed", rljob_report(kubectl, ns, "crash")
@@ -91,7 +91,7 @@ def test_missing_image_shows_the_pull_error_without_a_retry_storm(
 ) -> None:
     kubectl, ns = realpods.kubectl, rp_namespace
     image = "rlkube/no-such-image:0.0.0"
-    kubectl.apply(rljob("noimage", image=image), "-n", ns)
+    kubectl.apply(rljob("noimage", ns, image=image))
 
     pull = ("ErrImagePull", "ImagePullBackOff")
     st = wait_status(kubectl, ns, "noimage", lambda s: s.get("reason") in pull, 300, "the image pull error")
@@ -118,11 +118,11 @@ def test_missing_image_shows_the_pull_error_without_a_retry_storm(
 
 def test_too_small_memory_limit_shows_oomkilled(realpods: RealPods, rp_namespace: str) -> None:
     kubectl, ns = realpods.kubectl, rp_namespace
-    kubectl.apply(rljob("oom", trainer_memory="200Mi"), "-n", ns)
+    kubectl.apply(rljob("oom", ns, trainer_memory="300Mi"))
 
     st = wait_status(kubectl, ns, "oom", lambda s: s.get("reason") == "OOMKilled", 600, "OOMKilled")
     msg = st["message"]
-    assert "OOMKilled" in msg and "200Mi" in msg and "spec.trainer.memory" in msg, msg
+    assert "OOMKilled" in msg and "300Mi" in msg and "spec.trainer.memory" in msg, msg
     events = kubectl.json("-n", ns, "get", "events", "--field-selector", "involvedObject.kind=RLJob")["items"]
     assert any(e.get("reason") == "OOMKilled" and e.get("type") == "Warning" for e in events), events
 
@@ -132,7 +132,7 @@ def test_too_small_memory_limit_shows_oomkilled(realpods: RealPods, rp_namespace
 
 def test_suspend_removes_every_pod_and_resume_brings_them_back(realpods: RealPods, rp_namespace: str) -> None:
     kubectl, ns = realpods.kubectl, rp_namespace
-    kubectl.apply(rljob("pause", steps=10000), "-n", ns)
+    kubectl.apply(rljob("pause", ns, steps=10000))
     first = wait_job_pods_ready(kubectl, ns, "pause")
 
     kubectl("-n", ns, "patch", "rljob", "pause", "--type=merge", "-p", '{"spec": {"suspend": true}}')
@@ -148,7 +148,7 @@ def test_suspend_removes_every_pod_and_resume_brings_them_back(realpods: RealPod
 
 def test_delete_removes_every_pod_and_child(realpods: RealPods, rp_namespace: str) -> None:
     kubectl, ns = realpods.kubectl, rp_namespace
-    kubectl.apply(rljob("gone", steps=10000), "-n", ns)
+    kubectl.apply(rljob("gone", ns, steps=10000))
     wait_job_pods_ready(kubectl, ns, "gone")
     assert all(children(kubectl, ns, "gone").values()), children(kubectl, ns, "gone")
 
@@ -167,7 +167,7 @@ def test_operator_pod_deleted_mid_job_makes_no_duplicate_children(
     realpods: RealPods, rp_namespace: str
 ) -> None:
     kubectl, ns = realpods.kubectl, rp_namespace
-    kubectl.apply(rljob("steady", steps=10000), "-n", ns)
+    kubectl.apply(rljob("steady", ns, steps=10000))
     wait_job_pods_ready(kubectl, ns, "steady")
     kids, pods = children(kubectl, ns, "steady"), pod_uids(kubectl, ns)
     assert all(len(uids) == 1 for uids in kids.values()), kids
@@ -233,8 +233,8 @@ def test_job_pod_token_cannot_read_secrets_nor_patch_another_rljob(
         "-n",
         ns,
     )
-    kubectl.apply(rljob("other", suspend=True), "-n", ns)  # suspended: no pods, just an object to attack
-    kubectl.apply(rljob("mine", steps=10000), "-n", ns)
+    kubectl.apply(rljob("other", ns, suspend=True))  # suspended: no pods, just an object to attack
+    kubectl.apply(rljob("mine", ns, steps=10000))
     pods = wait_job_pods_ready(kubectl, ns, "mine")
     head = next(p for p in pods if p["metadata"]["labels"].get("ray.io/node-type") == "head")
     name = head["metadata"]["name"]
