@@ -195,6 +195,10 @@ def rljob(name: str, namespace: str, **kw: Any) -> dict[str, Any]:
     }
 
 
+def status(kubectl: Kubectl, namespace: str, name: str) -> dict[str, Any]:
+    return dict(kubectl.json("-n", namespace, "get", "rljob", name).get("status") or {})
+
+
 def rljob_report(kubectl: Kubectl, namespace: str, name: str) -> str:
     """The RLJob's status lines, its Events and every pod of the namespace (for a failed wait)."""
     try:
