@@ -129,7 +129,8 @@ def rp_namespace(request: pytest.FixtureRequest, realpods: RealPods) -> Iterator
         kubectl("delete", "namespace", name, "--wait=false", check=False)
 
 
-def job_spec(
+def rljob(
+    name: str,
     namespace: str,
     *,
     steps: int = 2,
@@ -139,60 +140,44 @@ def job_spec(
     head_memory: str = "2Gi",
     suspend: bool = False,
 ) -> dict[str, Any]:
-    """A small CPU RLJob spec on the tiny task, placed on the real node (one head, one worker)."""
-    return {
-        "image": image,
-        "model": {"path": str(TASK_DIR / "model"), "dtype": "float32", "gradientCheckpointing": False},
-        "data": {
-            "train": str(TASK_DIR / "train.jsonl"),
-            "validation": str(TASK_DIR / "heldout.jsonl"),
-            "reward": reward,
-            "maxPromptLength": 8,
-            "maxResponseLength": 4,
-        },
-        "algorithm": {"name": "grpo", "groupSize": 4},
-        "training": {
-            "mode": "sync",
-            "totalSteps": steps,
-            "trainBatchSize": 8,
-            "miniBatchSize": 8,
-            "microBatchSize": 32,
-            "evalIntervalSteps": 0,
-        },
-        "trainer": {
+    """The tiny RLJob (`tiny_rljob`, the one every test starts from) made small and placed on the real
+    node: one head, one worker; results and checkpoints in this namespace's own outputs folder."""
+    from rlkube.devcluster.tiny_task import TinyTask, tiny_rljob
+
+    task = TinyTask(TASK_DIR / "model", TASK_DIR / "train.jsonl", TASK_DIR / "heldout.jsonl", 0.0)
+    outputs = OUTPUT_DIR / namespace
+    job = tiny_rljob(
+        task,
+        name=name,
+        steps=steps,
+        trainer={
             "replicas": 1,
             "gpusPerReplica": 0,
             "cpusPerReplica": 1,
             "memory": trainer_memory,
             "shmSize": "64Mi",
         },
-        "rollout": {"engine": "hf"},
-        "gpu": {
+        image=image,
+        data={"reward": reward},
+        algorithm={"groupSize": 4},
+        training={"trainBatchSize": 8, "miniBatchSize": 8, "microBatchSize": 32, "evalIntervalSteps": 0},
+        gpu={
             "vendor": "cpu",
             "nodeSelector": {REAL_NODE_LABEL: "true"},
             "tolerations": [REAL_NODE_TOLERATION],
         },
-        "head": {"cpu": 1, "memory": head_memory},
-        "env": [{"name": "RLKUBE_OUTPUT_DIR", "value": str(OUTPUT_DIR / namespace)}],
-        "mounts": [
+        head={"cpu": 1, "memory": head_memory},
+        env=[{"name": "RLKUBE_OUTPUT_DIR", "value": str(outputs)}],
+        mounts=[
             {"name": "task", "hostPath": str(WORK_DIR), "mountPath": str(WORK_DIR)},
-            {"name": "outputs", "hostPath": str(OUTPUT_DIR), "mountPath": str(OUTPUT_DIR), "readOnly": False},
+            {"name": "outputs", "hostPath": str(outputs), "mountPath": str(outputs), "readOnly": False},
         ],
-        "checkpoint": {"intervalSteps": 0},
-        "ttlSecondsAfterFinished": 0,
-        "suspend": suspend,
-    }
-
-
-def rljob(name: str, namespace: str, **kw: Any) -> dict[str, Any]:
-    """The RLJob `name` in `namespace` (job_spec's keywords)."""
-    meta = {"name": name, "namespace": namespace}
-    return {
-        "apiVersion": "rlkube.io/v1alpha1",
-        "kind": "RLJob",
-        "metadata": meta,
-        "spec": job_spec(namespace, **kw),
-    }
+        checkpoint={"intervalSteps": 0},
+        ttlSecondsAfterFinished=0,
+        suspend=suspend,
+    )
+    job["metadata"]["namespace"] = namespace
+    return job
 
 
 def status(kubectl: Kubectl, namespace: str, name: str) -> dict[str, Any]:
