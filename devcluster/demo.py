@@ -137,10 +137,11 @@ def _crd_established(kubectl: Kubectl) -> bool:
 
 
 class RowPrinter:
-    """Prints `kubectl get rljobs` with the header once, then only the rows."""
+    """Prints `kubectl get rljobs` with the header once, then only rows that changed."""
 
     def __init__(self, kubectl: Kubectl, ns: str) -> None:
         self.kubectl, self.ns, self.header_shown = kubectl, ns, False
+        self.last: list[str] = []
 
     def show(self) -> None:
         out = self.kubectl("-n", self.ns, "get", "rljobs", check=False, timeout=20)
@@ -151,6 +152,9 @@ class RowPrinter:
             print(f"    $ kubectl -n {self.ns} get rljobs", flush=True)
             print("    " + lines[0], flush=True)
             self.header_shown = True
+        if lines[1:] == self.last:
+            return
+        self.last = lines[1:]
         for row in lines[1:]:
             print(f"    {row}    ({time.strftime('%H:%M:%S')})", flush=True)
 

@@ -3,13 +3,14 @@
 The session's cluster must have the real node (`make test` and CI start it; RLKUBE_REAL_NODE=1
 makes its absence an error at start-up); these tests fail, never skip, without it. The images are
 built (cached) and imported, and the operator runs as a pod from `helm install charts/rlkube`
-(release `rlkube-realpods`) watching only the `rp-*` namespaces the tests make, so it never meets
-the RLJobs of other tests (which run their own operator on the host) or of `make demo`.
+(release `rlkube-realpods`) watching only the session's `rp-<hex>` namespace, so it never meets the
+RLJobs of other tests (which run their own operator on the host) or of `make demo`. The tests share
+that namespace (one watch per resource, not one per test), use distinct RLJob names, and the
+namespace is emptied after each test.
 """
 
 from __future__ import annotations
 
-import re
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -35,7 +36,7 @@ from rlkube.devcluster.testing import Kubectl, TestCluster
 
 OPERATOR_NAMESPACE = "rlkube-realpods"
 RELEASE = "rlkube-realpods"
-NAMESPACE_PREFIX = "rp-"
+NAMESPACE_PREFIX = "rp-"  # + a hex per session
 WORK_DIR = Path("/tmp/rlkube-realpods")
 TASK_DIR = WORK_DIR / "task"
 OUTPUT_DIR = WORK_DIR / "outputs"
@@ -49,6 +50,7 @@ class RealPods:
     kubectl: Kubectl
     operator_namespace: str
     release: str
+    namespace: str  # the one namespace the operator pod watches; the tests' RLJobs have distinct names
 
     def operator_pod(self) -> str:
         from rlkube.devcluster.realpods import wait_operator_ready
@@ -80,53 +82,57 @@ def _require_real_node(devcluster: TestCluster, kubectl: Kubectl) -> None:
 
 @pytest.fixture(scope="session")
 def realpods(devcluster: TestCluster, kubectl: Kubectl) -> Iterator[RealPods]:
-    """Images in the node, the tiny task on it, the operator as a pod (uninstalled at the end)."""
+    """Images in the node, the tiny task on it, the session's `rp-*` namespace and the operator as a
+    pod watching only it (both removed at the end)."""
     _require_real_node(devcluster, kubectl)
     digests = load_images(lambda _m: None)
     from rlkube.devcluster.tiny_task import prepare_tiny_task
 
     prepare_tiny_task(TASK_DIR)
     share_with_pods(TASK_DIR)
-    OUTPUT_DIR.mkdir(parents=True, exist_ok=True)
-    OUTPUT_DIR.chmod(0o1777)  # the pods run as uid 1000
-    install_operator(
-        kubectl,
-        OPERATOR_NAMESPACE,
-        release=RELEASE,
-        watch_namespaces=[f"{NAMESPACE_PREFIX}*"],
-        image_digest=digests[OPERATOR_IMAGE],
-    )
+    namespace = f"{NAMESPACE_PREFIX}{secrets.token_hex(3)}"
+    kubectl.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": namespace}})
+    outputs = OUTPUT_DIR / namespace  # this session's results and checkpoints (nothing to resume from)
+    outputs.mkdir(parents=True, exist_ok=True)
+    for path in (OUTPUT_DIR, outputs):
+        path.chmod(0o1777)  # the pods run as uid 1000
     try:
-        yield RealPods(kubectl, OPERATOR_NAMESPACE, RELEASE)
+        install_operator(
+            kubectl,
+            OPERATOR_NAMESPACE,
+            release=RELEASE,
+            watch_namespaces=[namespace],
+            image_digest=digests[OPERATOR_IMAGE],
+        )
+        yield RealPods(kubectl, OPERATOR_NAMESPACE, RELEASE, namespace)
     finally:
+        _empty(kubectl, namespace)
         uninstall_operator(kubectl, OPERATOR_NAMESPACE, RELEASE)
+        kubectl("delete", "namespace", namespace, "--wait=false", check=False)
 
 
 def pods_in(kubectl: Kubectl, namespace: str) -> list[dict[str, Any]]:
     return list(kubectl.json("-n", namespace, "get", "pods")["items"])
 
 
+def _empty(kubectl: Kubectl, namespace: str) -> None:
+    """Delete every RLJob (their children go by garbage collection) and Secret, and wait for the pods."""
+    delete = ["-n", namespace, "delete", "rljobs", "--all", "--wait=true", "--timeout=180s"]
+    kubectl(*delete, check=False, timeout=200)
+    kubectl("-n", namespace, "delete", "secrets", "--all", check=False)
+    deadline = time.monotonic() + 240
+    while pods_in(kubectl, namespace) and time.monotonic() < deadline:
+        time.sleep(3)
+
+
 @pytest.fixture
-def rp_namespace(request: pytest.FixtureRequest, realpods: RealPods) -> Iterator[str]:
-    """A fresh `rp-*` namespace; afterwards its RLJobs are deleted and their pods awaited (so the
-    next test has the node's two cores to itself), then the namespace goes in the background."""
-    kubectl = realpods.kubectl
-    stem = re.sub(r"[^a-z0-9]+", "-", request.node.name.lower()).strip("-")[:36].strip("-")
-    name = f"{NAMESPACE_PREFIX}{stem}-{secrets.token_hex(3)}"
-    kubectl.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
-    outputs = OUTPUT_DIR / name  # this test's results and checkpoints only (nothing to resume from)
-    outputs.mkdir(parents=True, exist_ok=True)
-    outputs.chmod(0o1777)
+def rp_namespace(realpods: RealPods) -> Iterator[str]:
+    """The session's `rp-*` namespace (the one the operator pod watches), emptied after each test:
+    RLJobs and Secrets deleted and the pods awaited, so the next test has the node to itself."""
     try:
-        yield name
+        yield realpods.namespace
     finally:
-        kubectl(
-            "-n", name, "delete", "rljobs", "--all", "--wait=true", "--timeout=180s", check=False, timeout=200
-        )
-        deadline = time.monotonic() + 240
-        while pods_in(kubectl, name) and time.monotonic() < deadline:
-            time.sleep(3)
-        kubectl("delete", "namespace", name, "--wait=false", check=False)
+        _empty(realpods.kubectl, realpods.namespace)
 
 
 def rljob(

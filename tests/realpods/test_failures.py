@@ -42,6 +42,11 @@ def children(kubectl: Kubectl, ns: str, name: str) -> dict[str, list[str]]:
     return out
 
 
+def rljob_events(kubectl: Kubectl, ns: str, name: str) -> list[dict[str, Any]]:
+    selector = f"involvedObject.kind=RLJob,involvedObject.name={name}"
+    return list(kubectl.json("-n", ns, "get", "events", "--field-selector", selector)["items"])
+
+
 def pod_uids(kubectl: Kubectl, ns: str) -> dict[str, str]:
     return {
         p["metadata"]["name"]: p["metadata"]["uid"]
@@ -111,7 +116,7 @@ def test_missing_image_shows_the_pull_error_without_a_retry_storm(
     assert pod_uids(kubectl, ns) == before_pods
     assert children(kubectl, ns, "noimage") == before_children
     assert len(reasons) == 1, f"the RLJob's reason flapped: {reasons}"
-    events = kubectl.json("-n", ns, "get", "events", "--field-selector", "involvedObject.kind=RLJob")["items"]
+    events = rljob_events(kubectl, ns, "noimage")
     pull_events = [e for e in events if e.get("reason") in pull]
     assert len(pull_events) == 1 and int(pull_events[0].get("count") or 1) == 1, json.dumps(pull_events)
 
@@ -123,7 +128,7 @@ def test_too_small_memory_limit_shows_oomkilled(realpods: RealPods, rp_namespace
     st = wait_status(kubectl, ns, "oom", lambda s: s.get("reason") == "OOMKilled", 600, "OOMKilled")
     msg = st["message"]
     assert "OOMKilled" in msg and "300Mi" in msg and "spec.trainer.memory" in msg, msg
-    events = kubectl.json("-n", ns, "get", "events", "--field-selector", "involvedObject.kind=RLJob")["items"]
+    events = rljob_events(kubectl, ns, "oom")
     assert any(e.get("reason") == "OOMKilled" and e.get("type") == "Warning" for e in events), events
 
 
