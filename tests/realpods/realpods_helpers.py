@@ -233,12 +233,16 @@ def wait_status(
 
 
 def wait_job_pods_ready(
-    kubectl: Kubectl, namespace: str, name: str, timeout: float = 600
+    kubectl: Kubectl, namespace: str, name: str, timeout: float = 600, *, not_cluster: str = ""
 ) -> list[dict[str, Any]]:
-    """The RLJob's Ray pods (head + worker) once all are Ready on the real node."""
+    """The RLJob's Ray pods (head + worker) once all are Ready on the real node; `not_cluster`: wait
+    for a RayCluster other than that one (KubeRay makes a new one when a suspended job resumes)."""
     from rlkube.devcluster.realpods import wait_ray_pods_ready
 
-    st = wait_status(kubectl, namespace, name, lambda s: bool(s.get("rayClusterName")), 240, "a RayCluster")
+    def new_cluster(s: dict[str, Any]) -> bool:
+        return bool(s.get("rayClusterName")) and s.get("rayClusterName") != not_cluster
+
+    st = wait_status(kubectl, namespace, name, new_cluster, 300, "a RayCluster")
     try:
         pods = wait_ray_pods_ready(kubectl, namespace, st["rayClusterName"], timeout=timeout)
     except Exception as exc:

@@ -156,7 +156,8 @@ def test_suspend_removes_every_pod_and_resume_brings_them_back(realpods: RealPod
     assert not kubectl.json("-n", ns, "get", "raycluster")["items"], "the RayCluster outlived the suspend"
 
     kubectl("-n", ns, "patch", "rljob", "pause", "--type=merge", "-p", '{"spec": {"suspend": false}}')
-    again = wait_job_pods_ready(kubectl, ns, "pause")
+    old_cluster = first[0]["metadata"]["labels"]["ray.io/cluster"]
+    again = wait_job_pods_ready(kubectl, ns, "pause", not_cluster=old_cluster)
     assert {p["metadata"]["uid"] for p in again}.isdisjoint({p["metadata"]["uid"] for p in first})
     wait_status(kubectl, ns, "pause", lambda s: s.get("phase") in ("Provisioning", "Running"), 120, "resumed")
 
