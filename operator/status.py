@@ -180,13 +180,16 @@ def _waiting_problem(pod: Mapping[str, Any]) -> Problem | None:
             return Problem("ImagePullBackOff", f"{where}: {_pull_error(str(cs.get('image', '')), msg)}")
         if reason in _IMAGE_PULL_REASONS:
             return Problem(reason, f"{where}: {msg or 'cannot pull image ' + str(cs.get('image', ''))}")
-        if reason == "CrashLoopBackOff":
-            term = (cs.get("lastState") or {}).get("terminated") or {}
+        term = (cs.get("lastState") or {}).get("terminated") or {}
+        restarts = int(cs.get("restartCount", 0) or 0)
+        if reason == "CrashLoopBackOff" or (restarts and term and not cs.get("ready")):
+            # Between two back-offs the container runs (not ready) for a moment: the same crash loop,
+            # so the same reason and a message without the kubelet's changing back-off text (no
+            # flapping, one Event per loop, not one per restart).
             last = ""
             if term:
                 last = f" (last exit code {term.get('exitCode')}, reason {term.get('reason', 'Error')})"
-            restarts = cs.get("restartCount", 0)
-            return Problem(reason, f"{where} restarted {restarts} times{last}: {msg}".rstrip(": "))
+            return Problem("CrashLoopBackOff", f"{where} restarted {restarts} times{last}")
         if reason in _CONFIG_REASONS:
             return Problem(reason, f"{where}: {msg}")
     return None

@@ -149,6 +149,25 @@ def test_image_pull_retries_are_one_reason_with_the_pulls_own_error() -> None:
     assert not transitions(first.to_status(), backoff), "a retry of the same pull posts no Event"
 
 
+def test_a_crash_loop_keeps_one_reason_between_restarts() -> None:
+    """While it waits and while it briefly runs again, a restarting container is one CrashLoopBackOff."""
+    term = {"lastState": {"terminated": {"exitCode": 1, "reason": "Error"}}}
+    waiting = {
+        "waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s restarting failed container"}
+    }
+
+    def derived(state: dict[str, Any], restarts: int) -> Any:
+        cs = [{"name": "ray-worker", "restartCount": restarts, "ready": False, "state": state, **term}]
+        pods = [pod("h", "head"), pod("w", ready=False, containerStatuses=cs)]
+        return derive(obs(ray_job=ray_job(), ray_cluster=cluster(), pods=pods), now=NOW)
+
+    looping, running = derived(waiting, 3), derived({"running": {}}, 4)
+    assert looping.reason == running.reason == "CrashLoopBackOff"
+    assert "restarted 3 times (last exit code 1, reason Error)" in looping.message
+    assert "back-off" not in looping.message
+    assert not transitions(looping.to_status(), running), "a restart of the same loop posts no Event"
+
+
 def test_oomkilled_container_names_the_limit_and_the_field_to_raise() -> None:
     cs = [
         {
