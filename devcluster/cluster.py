@@ -194,6 +194,8 @@ class DevCluster:
     def __init__(self, state_dir: Path | str | None = None, config: ClusterConfig | None = None) -> None:
         self.state_dir = Path(state_dir).resolve() if state_dir else default_state_dir()
         self.config = config or ClusterConfig()
+        # Only a caller that named a shape has one to check a running cluster against.
+        self._shape_given = config is not None
         self.logs_dir = self.state_dir / "logs"
         self.state_file = self.state_dir / "state.json"
         self.kubeconfig = self.state_dir / "kubeconfig"
@@ -296,6 +298,8 @@ class DevCluster:
 
     def _check_shape(self, state: dict[str, Any]) -> None:
         """Refuse to reuse a running cluster whose nodes differ from what this caller asked for."""
+        if not self._shape_given:
+            return
         have, want = shape_of(state.get("config") or {}), shape_of(self.config)
         if have != want:
             diff = ", ".join(f"{k} {have[k]} (wanted {want[k]})" for k in SHAPE_KEYS if have[k] != want[k])
@@ -313,8 +317,9 @@ class DevCluster:
         """A RealNode when this cluster gets one; else None, with one line saying why on stderr."""
         mode = self._real_mode()
         if mode == "off":
-            self.real_node_reason = "off (RLKUBE_REAL_NODE=0)"
-            print("[devcluster] kwok-only: real node off (RLKUBE_REAL_NODE=0)", file=sys.stderr, flush=True)
+            why = "real_node=off" if self.config.real_node else "RLKUBE_REAL_NODE=0"
+            self.real_node_reason = f"off ({why})"
+            print(f"[devcluster] kwok-only: real node off ({why})", file=sys.stderr, flush=True)
             return None
         reason = why_not(self.state_dir)
         if reason is None:
