@@ -61,6 +61,7 @@ def open_test_cluster(config: ClusterConfig | None = None, state_dir: Path | Non
         if probe.returncode != 0 or "serverVersion" not in probe.stdout:
             raise DevClusterError(f"cluster in {path} is unreachable: {probe.stderr.strip()}")
         return TestCluster(path, None, False, user)
+    config = config or ClusterConfig()  # the session's shape: a running cluster must match it
     cluster = DevCluster(state_dir, config)
     try:
         started = cluster.attach(user)
