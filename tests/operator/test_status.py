@@ -333,3 +333,22 @@ def test_no_events_when_nothing_changed_and_one_per_change() -> None:
 def test_status_patch_never_carries_progress() -> None:
     d = derive(obs(), now=NOW)
     assert "progress" not in d.to_status()
+
+
+def test_the_operators_pod_cache_keeps_the_memory_limit_an_oom_message_names() -> None:
+    from rlkube.operator.cache import slim_pod
+
+    cs = {
+        "name": "ray-head",
+        "restartCount": 1,
+        "lastState": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}},
+    }
+    full = pod("h", "head", ready=False, containerStatuses=[cs])
+    full["metadata"]["labels"]["rlkube.io/group"] = "head"
+    full["spec"] = {
+        "containers": [
+            {"name": "ray-head", "image": "x", "resources": {"limits": {"cpu": "1", "memory": "500Mi"}}}
+        ]
+    }
+    d = derive(obs(ray_job=ray_job(), ray_cluster=cluster(), pods=[slim_pod(full)]), now=NOW)
+    assert d.reason == "OOMKilled" and "memory limit 500Mi" in d.message and "spec.head.memory" in d.message
