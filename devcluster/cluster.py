@@ -9,7 +9,6 @@ ports, logs to `<state>/logs/<component>.log`, and is recorded in `<state>/state
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import errno
 import fcntl
@@ -35,7 +34,7 @@ import yaml
 
 from .binaries import REPO_ROOT, Binaries, find_binaries
 from .errors import DevClusterError
-from .kubeapi import ApiError, KubeApi
+from .kubeapi import ApiError, KubeApi, token_kubeconfig
 from .node import DNS_SERVICE_IP, NODE_IP, NODE_NAME, RealNode, mode_from_env, node_binaries, why_not
 from .nodes import KWOK_ANNOTATION, MANAGED_LABEL, node_manifests
 
@@ -696,22 +695,7 @@ class DevCluster:
             path.chmod(0o600)
 
     def _write_kubeconfig(self, server: str, token: str, ca_pem: str) -> None:
-        config = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [
-                {
-                    "name": "rlkube-dev",
-                    "cluster": {
-                        "server": server,
-                        "certificate-authority-data": base64.b64encode(ca_pem.encode()).decode(),
-                    },
-                }
-            ],
-            "users": [{"name": "admin", "user": {"token": token}}],
-            "contexts": [{"name": "rlkube-dev", "context": {"cluster": "rlkube-dev", "user": "admin"}}],
-            "current-context": "rlkube-dev",
-        }
+        config = token_kubeconfig(server, token, ca_pem, "admin")
         tmp = self.kubeconfig.with_suffix(".tmp")
         tmp.write_text(yaml.safe_dump(config, sort_keys=False))
         tmp.chmod(0o600)

@@ -33,6 +33,8 @@ from .realpods import (
     load_images,
     pods_report,
     poll,
+    rljob_report,
+    rljob_status,
     share_with_pods,
     wait_ray_pods_ready,
 )
@@ -102,29 +104,6 @@ def _outputs_dir(example: dict[str, Any]) -> Path:
 
 
 # --------------------------------------------------------------------------------------- kubernetes
-
-
-def _pods_running(kubectl: Kubectl, ns: str, cluster: str) -> list[str] | None:
-    pods = kubectl.json("-n", ns, "get", "pods", "-l", f"ray.io/cluster={cluster}")["items"]
-    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
-    if not live or any(p["status"].get("phase") != "Running" for p in live):
-        return None
-    return [f"{p['metadata']['name']} on {p['spec'].get('nodeName')}" for p in live]
-
-
-def _phase(kubectl: Kubectl, ns: str, name: str) -> dict[str, Any]:
-    """The RLJob's status (phase, conditions, progress, child names)."""
-    return dict(kubectl.json("-n", ns, "get", "rljob", name).get("status") or {})
-
-
-def _rljob_report(kubectl: Kubectl, ns: str, name: str) -> str:
-    """The RLJob's phase, reason and message, and its pods (for a wait that ran out)."""
-    try:
-        st = _phase(kubectl, ns, name)
-    except Exception as exc:
-        return f"rljob {ns}/{name}: cannot read ({exc})"
-    head = f"rljob {ns}/{name}: {st.get('phase')} ({st.get('reason', '')}): {st.get('message', '')}"
-    return head + "\n" + pods_report(kubectl, ns, "ray.io/cluster")
 
 
 def _exists(kubectl: Kubectl, ns: str, kind: str, name: str) -> bool:
@@ -234,11 +213,11 @@ def run_demo(args: argparse.Namespace) -> int:
         say("    " + kubectl("-n", ns, "apply", "-f", str(example_path)).stdout.strip())
         rj_name = str(
             poll(
-                lambda: _phase(kubectl, ns, name).get("rayJobName"),
+                lambda: rljob_status(kubectl, ns, name).get("rayJobName"),
                 180,
                 "the operator to create the RayJob",
                 on_timeout=lambda: (
-                    _rljob_report(kubectl, ns, name)
+                    rljob_report(kubectl, ns, name, "ray.io/cluster")
                     + "\n"
                     + pods_report(kubectl, OPERATOR_NAMESPACE, "app.kubernetes.io/name=rlkube")
                 ),
@@ -252,7 +231,7 @@ def run_demo(args: argparse.Namespace) -> int:
                 lambda: kubectl.json("-n", ns, "get", "rayjob", rj_name)["status"].get("rayClusterName"),
                 180,
                 "KubeRay to create the RayCluster",
-                on_timeout=lambda: _rljob_report(kubectl, ns, name),
+                on_timeout=lambda: rljob_report(kubectl, ns, name, "ray.io/cluster"),
             )
         )
         say(f"    KubeRay created RayCluster {rc_name}; waiting for its pods to run `ray start`")
@@ -270,7 +249,7 @@ def run_demo(args: argparse.Namespace) -> int:
         final: dict[str, Any] = {}
         deadline = start + args.job_timeout
         while time.monotonic() < deadline:
-            final = _phase(kubectl, ns, name)
+            final = rljob_status(kubectl, ns, name)
             if final.get("phase") in ("Succeeded", "Failed"):
                 break
             time.sleep(args.interval)

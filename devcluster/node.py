@@ -32,6 +32,7 @@ from typing import Any
 
 from .binaries import cache_dir, module_version
 from .errors import DevClusterError
+from .kubeapi import token_kubeconfig
 
 REAL_NODE_ENV = "RLKUBE_REAL_NODE"
 NODE_NAME = "real-cpu-000"
@@ -504,28 +505,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 
     @staticmethod
     def _kubeconfig(path: Path, server: str, token: str, ca_pem: str) -> None:
-        import base64
-
-        path.write_text(
-            json.dumps(
-                {
-                    "apiVersion": "v1",
-                    "kind": "Config",
-                    "clusters": [
-                        {
-                            "name": "rlkube-dev",
-                            "cluster": {
-                                "server": server,
-                                "certificate-authority-data": base64.b64encode(ca_pem.encode()).decode(),
-                            },
-                        }
-                    ],
-                    "users": [{"name": "u", "user": {"token": token}}],
-                    "contexts": [{"name": "c", "context": {"cluster": "rlkube-dev", "user": "u"}}],
-                    "current-context": "c",
-                }
-            )
-        )
+        path.write_text(json.dumps(token_kubeconfig(server, token, ca_pem, path.stem)))
         path.chmod(0o600)
 
     # ------------------------------------------------------------------ processes

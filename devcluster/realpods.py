@@ -259,6 +259,34 @@ def pods_report(kubectl: Kubectl, namespace: str, selector: str) -> str:
     return "\n".join(pod_report(kubectl, namespace, p["metadata"]["name"]) for p in pods)
 
 
+def rljob_status(kubectl: Kubectl, namespace: str, name: str) -> dict[str, Any]:
+    """The RLJob's status (phase, reason, message, conditions, progress, child names)."""
+    return dict(kubectl.json("-n", namespace, "get", "rljob", name).get("status") or {})
+
+
+def rljob_report(kubectl: Kubectl, namespace: str, name: str, selector: str = "") -> str:
+    """The RLJob's phase, reason, message and conditions, its Events, and its namespace's pods
+    (matching `selector`) with their states, events and logs: what a failed wait shows."""
+    try:
+        st = rljob_status(kubectl, namespace, name)
+    except Exception as exc:
+        return f"rljob {namespace}/{name}: cannot read ({exc})"
+    lines = [
+        f"rljob {namespace}/{name}: phase {st.get('phase')} ({st.get('reason')}): {st.get('message', '')}"
+    ]
+    lines += [
+        f"  {c['type']}={c['status']} ({c.get('reason')}): {str(c.get('message', ''))[:300]}"
+        for c in st.get("conditions") or ()
+    ]
+    events = kubectl(
+        "-n", namespace, "get", "events", "--field-selector", f"involvedObject.name={name}",
+        "--sort-by=.lastTimestamp", "--no-headers", check=False,
+    ).stdout.strip()  # fmt: skip
+    if events:
+        lines += ["  events:", *(f"    {e[:300]}" for e in events.splitlines()[-EVENT_LINES:])]
+    return "\n".join(lines) + "\n" + pods_report(kubectl, namespace, selector)
+
+
 def poll(
     fn: Callable[[], T | None],
     timeout: float,

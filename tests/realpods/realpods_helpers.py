@@ -27,8 +27,9 @@ from rlkube.devcluster.realpods import (
     RUNTIME_IMAGE,
     install_operator,
     load_images,
-    pods_report,
     poll,
+    rljob_report,
+    rljob_status,
     share_with_pods,
     uninstall_operator,
 )
@@ -187,28 +188,7 @@ def rljob(
 
 
 def status(kubectl: Kubectl, namespace: str, name: str) -> dict[str, Any]:
-    return dict(kubectl.json("-n", namespace, "get", "rljob", name).get("status") or {})
-
-
-def rljob_report(kubectl: Kubectl, namespace: str, name: str) -> str:
-    """The RLJob's status lines, its Events and every pod of the namespace (for a failed wait)."""
-    try:
-        st = status(kubectl, namespace, name)
-    except Exception as exc:
-        return f"rljob {namespace}/{name}: cannot read ({exc})"
-    conds = "\n".join(
-        f"  {c['type']}={c['status']} ({c.get('reason')}): {str(c.get('message', ''))[:300]}"
-        for c in st.get("conditions") or ()
-    )
-    events = kubectl(
-        "-n", namespace, "get", "events", "--field-selector", f"involvedObject.name={name}",
-        "--sort-by=.lastTimestamp", "--no-headers", check=False,
-    ).stdout.strip()  # fmt: skip
-    return (
-        f"rljob {namespace}/{name}: phase {st.get('phase')} ({st.get('reason')}): "
-        f"{str(st.get('message', ''))[:600]}\n{conds}\nevents:\n{events}\n"
-        + pods_report(kubectl, namespace, "")
-    )
+    return rljob_status(kubectl, namespace, name)
 
 
 def wait_status(
