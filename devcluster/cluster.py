@@ -34,7 +34,7 @@ import yaml
 
 from .binaries import REPO_ROOT, Binaries, find_binaries
 from .errors import DevClusterError
-from .kubeapi import ApiError, KubeApi, token_kubeconfig
+from .kubeapi import ApiError, KubeApi, bearer_kubeconfig
 from .node import DNS_SERVICE_IP, NODE_IP, NODE_NAME, RealNode, mode_from_env, node_binaries, why_not
 from .nodes import KWOK_ANNOTATION, MANAGED_LABEL, node_manifests
 
@@ -695,7 +695,7 @@ class DevCluster:
             path.chmod(0o600)
 
     def _write_kubeconfig(self, server: str, token: str, ca_pem: str) -> None:
-        config = token_kubeconfig(server, token, ca_pem, "admin")
+        config = bearer_kubeconfig(server, token, ca_pem, "admin")
         tmp = self.kubeconfig.with_suffix(".tmp")
         tmp.write_text(yaml.safe_dump(config, sort_keys=False))
         tmp.chmod(0o600)

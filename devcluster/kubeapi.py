@@ -16,7 +16,7 @@ from typing import Any
 from urllib.parse import urlencode, urlsplit
 
 
-def token_kubeconfig(server: str, token: str, ca_pem: str, user: str) -> dict[str, Any]:
+def bearer_kubeconfig(server: str, token: str, ca_pem: str, user: str) -> dict[str, Any]:
     """A kubeconfig (as a dict) for `user` with a bearer token, pinned to the cluster's CA."""
     return {
         "apiVersion": "v1",

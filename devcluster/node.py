@@ -32,7 +32,7 @@ from typing import Any
 
 from .binaries import cache_dir, module_version
 from .errors import DevClusterError
-from .kubeapi import token_kubeconfig
+from .kubeapi import bearer_kubeconfig
 
 REAL_NODE_ENV = "RLKUBE_REAL_NODE"
 NODE_NAME = "real-cpu-000"
@@ -505,7 +505,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
 
     @staticmethod
     def _kubeconfig(path: Path, server: str, token: str, ca_pem: str) -> None:
-        path.write_text(json.dumps(token_kubeconfig(server, token, ca_pem, path.stem)))
+        path.write_text(json.dumps(bearer_kubeconfig(server, token, ca_pem, path.stem)))
         path.chmod(0o600)
 
     # ------------------------------------------------------------------ processes
