@@ -23,8 +23,13 @@ def configure_logging(verbose: bool = False) -> None:
     logging.getLogger().setLevel(logging.DEBUG if verbose else logging.INFO)
 
 
+OUTPUT_DIR_ENV = "RLKUBE_OUTPUT_DIR"
+
+
 def _default_output(job_name: str) -> Path:
-    return Path("outputs") / (job_name or "rljob")
+    """`$RLKUBE_OUTPUT_DIR/<name>` (in a pod: a mounted volume the results outlive it on), else
+    `outputs/<name>` under the working directory."""
+    return Path(os.environ.get(OUTPUT_DIR_ENV) or "outputs") / (job_name or "rljob")
 
 
 def user_error_line(exc: BaseException, rljob: Path) -> str | None:

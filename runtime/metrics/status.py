@@ -134,4 +134,8 @@ class StatusPusher:
                 self._warned = True
             return False
         self.pushed += 1
+        if self.pushed == 1:  # one line, so a pod's log shows where its progress goes
+            log.info(
+                "status.progress of rljob %s/%s pushed (step %s)", self.namespace, self.name, progress.step
+            )
         return True

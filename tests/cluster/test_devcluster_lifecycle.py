@@ -30,7 +30,7 @@ def test_cli_down_stops_every_process_and_closes_every_port(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     state_dir = tmp_path / "dc"
-    cluster = DevCluster(state_dir, ClusterConfig(gpu_nodes=1, cpu_nodes=0, timeout_s=120))
+    cluster = DevCluster(state_dir, ClusterConfig(gpu_nodes=1, cpu_nodes=0, timeout_s=120, real_node="off"))
     state = cluster.up()
     try:
         pids = [c["pid"] for c in state["components"]]
@@ -99,7 +99,9 @@ def test_cli_down_stops_every_process_and_closes_every_port(
 
 
 def test_component_crashing_at_start_is_reported_with_its_log_not_a_hang(tmp_path: Path) -> None:
-    config = ClusterConfig(gpu_nodes=1, cpu_nodes=0, timeout_s=60, extra_args={"etcd": ["--no-such-flag"]})
+    config = ClusterConfig(
+        gpu_nodes=1, cpu_nodes=0, timeout_s=60, real_node="off", extra_args={"etcd": ["--no-such-flag"]}
+    )
     cluster = DevCluster(tmp_path / "dc", config)
     start = time.monotonic()
     with pytest.raises(DevClusterError) as err:
@@ -120,7 +122,7 @@ def test_cli_up_with_no_nodes_and_no_kuberay_starts_a_bare_control_plane(tmp_pat
     argv = [*CLI, "--state-dir", str(state_dir)]
     try:
         up = subprocess.run(
-            [*argv, "up", "--nodes", "0", "--cpu-nodes", "0", "--no-kuberay", "--timeout", "120"],
+            [*argv, "up", "--nodes", "0", "--cpu-nodes", "0", "--no-kuberay", "--real-node", "off", "--timeout", "120"],
             capture_output=True,
             text=True,
             env=env,
