@@ -122,7 +122,19 @@ def test_cli_up_with_no_nodes_and_no_kuberay_starts_a_bare_control_plane(tmp_pat
     argv = [*CLI, "--state-dir", str(state_dir)]
     try:
         up = subprocess.run(
-            [*argv, "up", "--nodes", "0", "--cpu-nodes", "0", "--no-kuberay", "--real-node", "off", "--timeout", "120"],
+            [
+                *argv,
+                "up",
+                "--nodes",
+                "0",
+                "--cpu-nodes",
+                "0",
+                "--no-kuberay",
+                "--real-node",
+                "off",
+                "--timeout",
+                "120",
+            ],
             capture_output=True,
             text=True,
             env=env,
