@@ -22,7 +22,7 @@ class AggregationFn(Protocol):
         mask: Tensor,
         *,
         global_tokens: float | None,
-        global_seqs: int | None,
+        global_seqs: float | None,
         norm_constant: float | None,
     ) -> Tensor: ...
 
@@ -87,8 +87,10 @@ def masked_whiten(values: Tensor, mask: Tensor, *, shift_mean: bool = True, eps:
     return whitened * m
 
 
-def _n_seqs(mask: Tensor, global_seqs: int | None) -> float:
-    return float(max(mask.shape[0] if global_seqs is None else global_seqs, 1))
+def _n_seqs(mask: Tensor, global_seqs: float | None) -> float:
+    """The sequence count to divide by (a rank's share of it may be fractional: 7 seqs / 2 ranks)."""
+    n = float(mask.shape[0] if global_seqs is None else global_seqs)
+    return n if n > 0 else 1.0
 
 
 @register_aggregation("token-mean")
@@ -97,14 +99,14 @@ def token_mean(
     mask: Tensor,
     *,
     global_tokens: float | None = None,
-    global_seqs: int | None = None,
+    global_seqs: float | None = None,
     norm_constant: float | None = None,
 ) -> Tensor:
     """``sum(loss * mask) / sum(mask)`` (DAPO, Yu et al. 2025 eq. 8): every token weighs the same, so a
     long response is not down-weighted against a short one."""
     m = mask.to(loss_mat.dtype)
     if global_tokens is not None:
-        return masked_sum(loss_mat, m) / max(float(global_tokens), 1.0)
+        return masked_sum(loss_mat, m) / (float(global_tokens) if global_tokens > 0 else 1.0)
     return masked_sum(loss_mat, m) / m.sum().clamp(min=1.0)
 
 
@@ -114,7 +116,7 @@ def token_sum(
     mask: Tensor,
     *,
     global_tokens: float | None = None,
-    global_seqs: int | None = None,
+    global_seqs: float | None = None,
     norm_constant: float | None = None,
 ) -> Tensor:
     """``sum(loss * mask)``: no normalisation at all (the gradient grows with the batch's token count;
@@ -128,7 +130,7 @@ def seq_mean_token_sum(
     mask: Tensor,
     *,
     global_tokens: float | None = None,
-    global_seqs: int | None = None,
+    global_seqs: float | None = None,
     norm_constant: float | None = None,
 ) -> Tensor:
     """``(1/B) sum_i sum_t loss_it``: per-sequence token sum, then the mean over the ``B`` sequences."""
@@ -141,7 +143,7 @@ def seq_mean_token_mean(
     mask: Tensor,
     *,
     global_tokens: float | None = None,
-    global_seqs: int | None = None,
+    global_seqs: float | None = None,
     norm_constant: float | None = None,
 ) -> Tensor:
     """``(1/B) sum_i (1/|o_i|) sum_t loss_it`` (original GRPO, Shao et al. 2024 eq. 3). A sequence with no
@@ -157,7 +159,7 @@ def seq_mean_token_sum_norm(
     mask: Tensor,
     *,
     global_tokens: float | None = None,
-    global_seqs: int | None = None,
+    global_seqs: float | None = None,
     norm_constant: float | None = None,
 ) -> Tensor:
     """``(1/B) sum_i sum_t loss_it / H`` (Dr. GRPO, Liu et al. 2025, eq. 2's ``1/G sum_i sum_t`` with
@@ -177,7 +179,7 @@ def aggregate_loss(
     mode: str = "token-mean",
     *,
     global_tokens: int | float | None = None,
-    global_seqs: int | None = None,
+    global_seqs: float | None = None,
     norm_constant: float | None = None,
 ) -> Tensor:
     """Reduce a per-token loss ``[B, T]`` to a scalar with the aggregation registered as ``mode``

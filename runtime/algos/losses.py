@@ -69,7 +69,7 @@ class PolicyLossFn(Protocol):
         clip_c: float | None = None,
         agg_mode: str = "token-mean",
         global_tokens: int | float | None = None,
-        global_seqs: int | None = None,
+        global_seqs: float | None = None,
         norm_constant: float | None = None,
         is_weights: Tensor | None = None,
     ) -> tuple[Tensor, PolicyLossMetrics]: ...
@@ -147,7 +147,7 @@ def ppo_policy_loss(
     clip_c: float | None = None,
     agg_mode: str = "token-mean",
     global_tokens: int | float | None = None,
-    global_seqs: int | None = None,
+    global_seqs: float | None = None,
     norm_constant: float | None = None,
     is_weights: Tensor | None = None,
 ) -> tuple[Tensor, PolicyLossMetrics]:
@@ -202,7 +202,7 @@ def gspo_policy_loss(
     clip_c: float | None = None,
     agg_mode: str = "seq-mean-token-mean",
     global_tokens: int | float | None = None,
-    global_seqs: int | None = None,
+    global_seqs: float | None = None,
     norm_constant: float | None = None,
     is_weights: Tensor | None = None,
 ) -> tuple[Tensor, PolicyLossMetrics]:
@@ -250,7 +250,7 @@ def cispo_policy_loss(
     clip_c: float | None = None,
     agg_mode: str = "token-mean",
     global_tokens: int | float | None = None,
-    global_seqs: int | None = None,
+    global_seqs: float | None = None,
     norm_constant: float | None = None,
     is_weights: Tensor | None = None,
 ) -> tuple[Tensor, PolicyLossMetrics]:
@@ -291,7 +291,7 @@ def value_loss(
     agg_mode: str = "token-mean",
     *,
     global_tokens: int | float | None = None,
-    global_seqs: int | None = None,
+    global_seqs: float | None = None,
     norm_constant: float | None = None,
 ) -> tuple[Tensor, ValueLossMetrics]:
     """Clipped critic loss ``0.5 * max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)``.

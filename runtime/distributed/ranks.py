@@ -33,38 +33,49 @@ class RankFailed(RuntimeError):
 
 
 class SplitError(ValueError):
-    """A batch that cannot be split over the ranks by whole prompt groups."""
+    """A batch that cannot be split over the ranks (no mini-batch to split)."""
+
+
+PAD = -1  # a padding row in a rank's plan: a copy of a real row with no response tokens
 
 
 def split_rows(group_rows: Sequence[Sequence[int]], num_mini: int, world_size: int) -> list[list[int]]:
     """Row indices per rank for a batch of groups already in training order.
 
-    Mini-batch ``m`` is groups ``[m * g, (m + 1) * g)`` with ``g = len(groups) / num_mini``; rank
-    ``k`` takes the ``k``-th equal slice of each mini-batch's groups, so every rank runs
-    ``num_mini`` optimiser steps over equally many rows (FSDP2 needs the same number of passes on
-    every rank) and the union of the ranks' ``m``-th slices is exactly mini-batch ``m``. One rank
-    takes every row in order.
+    Mini-batch ``m`` is groups ``[m * n / num_mini, (m + 1) * n / num_mini)``; each rank takes
+    whole groups of every mini-batch, so the union of the ranks' ``m``-th slices is exactly
+    mini-batch ``m``. With equal groups that divide evenly, rank ``k`` takes the ``k``-th equal
+    slice (one rank: every row in order). A batch that does not divide (groups shortened by
+    ``data.nonFiniteReward: skip``, or fewer groups than planned) is balanced group by group onto
+    the rank with the fewest rows, and every slice is padded with :data:`PAD` rows to one width:
+    FSDP2 needs the same passes on every rank, a worker cuts mini-batches by row count, and a
+    padding row (no response tokens, no sequence) changes no loss or gradient. So one rank and N
+    ranks make the same mini-batches of whole groups, even or not.
     """
-    order = [i for rows in group_rows for i in rows]
-    if world_size == 1:
-        return [order]
     n = len(group_rows)
-    if num_mini < 1 or n % num_mini or (n // num_mini) % world_size:
-        raise SplitError(
-            f"{n} prompt groups in {num_mini} mini-batch(es) cannot be split over {world_size} trainer "
-            f"ranks by whole groups: training.miniBatchSize must be a multiple of the trainer ranks "
-            f"(trainer.replicas x trainer.gpusPerReplica = {world_size}) and divide trainBatchSize"
-        )
-    per_mini, per_rank = n // num_mini, n // num_mini // world_size
-    sizes = {len(r) for r in group_rows}
-    if len(sizes) > 1:
-        raise SplitError(f"prompt groups of unequal sizes {sorted(sizes)} cannot be split evenly over ranks")
+    if num_mini < 1 or n < 1:
+        raise SplitError(f"{n} prompt groups in {num_mini} mini-batch(es): nothing to split over ranks")
+    even = len({len(r) for r in group_rows}) == 1 and n % num_mini == 0 and (n // num_mini) % world_size == 0
     out: list[list[int]] = [[] for _ in range(world_size)]
+    if even:
+        per_mini, per_rank = n // num_mini, n // num_mini // world_size
+        for m in range(num_mini):
+            for k in range(world_size):
+                start = m * per_mini + k * per_rank
+                for g in group_rows[start : start + per_rank]:
+                    out[k].extend(g)
+        return out
+    slices: list[list[list[int]]] = []  # [mini][rank] -> rows
     for m in range(num_mini):
-        for k in range(world_size):
-            start = m * per_mini + k * per_rank
-            for g in group_rows[start : start + per_rank]:
-                out[k].extend(g)
+        share: list[list[int]] = [[] for _ in range(world_size)]
+        for g in group_rows[m * n // num_mini : (m + 1) * n // num_mini]:
+            k = min(range(world_size), key=lambda r: (len(share[r]), r))
+            share[k].extend(g)
+        slices.append(share)
+    width = max(len(rows) for share in slices for rows in share)
+    for share in slices:
+        for k, rows in enumerate(share):
+            out[k].extend([*rows, *[PAD] * (width - len(rows))])
     return out
 
 

@@ -1,6 +1,6 @@
 """The one Ray forwarder for the rollout interface: an engine in its own actor, used as if local.
 
-:class:`EngineHost` is the actor: it builds one engine and answers ``call(method, *args)`` for the
+:class:`EngineHost` is the actor: it builds one engine (``start``) and answers ``call(method, *args)`` for the
 methods of :class:`~rlkube.runtime.rollout.base.RolloutEngine` (and nothing else).
 :class:`RemoteEngine` is the caller's side: every interface method is forwarded by name, blocking
 (``engine.poll()``) or not (``engine.start("poll")`` returns a Ray ref, :meth:`RemoteEngine.wait`
@@ -42,11 +42,18 @@ class EngineHost:
     """One rollout engine in a Ray actor (``ray.remote(EngineHost)``)."""
 
     def __init__(self, name: str, build: Callable[[], Any]) -> None:
+        self.name = name
+        self._build = build
+        self.engine: Any = None
+
+    def start(self) -> None:
+        """Build the engine. A method, not the constructor: Ray keeps the exception of a failed
+        method (a UserError stays one, and ``rlkube-train`` prints it as one line) but only the
+        text of a failed constructor."""
         from rlkube.runtime.distributed.groups import local_device
 
-        self.name = name
         local_device()  # the platform's visibility rules, before the engine initialises a device
-        self.engine = build()
+        self.engine = self._build()
 
     def call(self, method: str, *args: Any) -> Any:
         if method not in ENGINE_METHODS:

@@ -7,8 +7,11 @@ code runs in one process (sync, hf engine) and inside a Ray trainer actor (all t
 
 from __future__ import annotations
 
+import logging
+import math
 import random
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,12 +31,15 @@ from rlkube.runtime.algos import (
 )
 from rlkube.runtime.data import PromptSampler, load_records
 from rlkube.runtime.data.records import Record
-from rlkube.runtime.distributed.ranks import LearnerGroup, split_rows
+from rlkube.runtime.distributed.ranks import PAD, LearnerGroup, split_rows
+from rlkube.runtime.errors import NonFiniteRewardError, UserError
 from rlkube.runtime.rewards import get_reward_fn
 from rlkube.runtime.rollout.base import Completion, RolloutRequest, SamplingParams
 from rlkube.runtime.trainer.batch import Batch, Sample, collate
 from rlkube.runtime.trainer.learner import Learner, loss_config
 from rlkube.runtime.trainer.policy import needs_old_logprob_pass
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -62,18 +68,35 @@ class Trainer:
         spec = self.spec = job.spec
         torch.manual_seed(spec.training.seed)
         random.seed(spec.training.seed)
-        self.tokenizer = AutoTokenizer.from_pretrained(spec.model.tokenizer_path or spec.model.path)
+        check_model_dir("model.path", spec.model.path)
+        tok_path = spec.model.tokenizer_path or spec.model.path
+        if tok_path != spec.model.path:
+            check_model_dir("model.tokenizerPath", tok_path, need="tokenizer")
+        self.tokenizer = AutoTokenizer.from_pretrained(tok_path)
         self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
         self.eos_id = int(self.tokenizer.eos_token_id)
         d = spec.data
-        self.train_records = load_records(d.train, prompt_key=d.prompt_key, answer_key=d.answer_key)
+        self.train_records = load_data("data.train", d.train, d.prompt_key, d.answer_key)
         self.val_records = (
-            load_records(d.validation, prompt_key=d.prompt_key, answer_key=d.answer_key)
-            if d.validation
-            else []
+            load_data("data.validation", d.validation, d.prompt_key, d.answer_key) if d.validation else []
         )
+        if self.val_records:
+            fits = [r for r in self.val_records if len(self.encode(r, cut=False)) <= d.max_prompt_length]
+            if len(fits) < len(self.val_records):
+                log.warning(
+                    "data.validation: %d of %d prompts are longer than data.maxPromptLength (%d tokens) "
+                    "and are left out of evaluation",
+                    len(self.val_records) - len(fits),
+                    len(self.val_records),
+                    d.max_prompt_length,
+                )
+            self.val_records = fits
         self.sampler = PromptSampler(self.train_records, 1, seed=d.seed, shuffle=d.shuffle)
         self.prompts_drawn = 0
+        self.prompts_too_long = 0  # skipped for exceeding data.maxPromptLength (never cut)
+        self.nonfinite_rewards = 0  # samples skipped for a NaN/inf reward (data.nonFiniteReward: skip)
+        # Run-long counts the mode drivers keep (dropped groups, aborts), checkpointed with the rest.
+        self.totals: Counter[str] = Counter()
         self.reward_fn = get_reward_fn(d.reward)
         self.loss_cfg = loss_config(spec)
         if learner is None:
@@ -91,22 +114,39 @@ class Trainer:
         self.rng = random.Random(spec.training.seed)
 
     # -- prompts and requests ----------------------------------------------------------------
-    def encode(self, record: Record) -> list[int]:
-        """Prompt ids: BOS (when the tokenizer has one) + the prompt, truncated on the left."""
+    def encode(self, record: Record, *, cut: bool = True) -> list[int]:
+        """Prompt ids: BOS (when the tokenizer has one) + the prompt.
+
+        Prompts longer than ``data.maxPromptLength`` are skipped by ``next_prompts`` (never trained
+        on cut); ``cut`` only keeps evaluation of such a prompt within the engine's length limit.
+        """
         if record.messages is not None and getattr(self.tokenizer, "chat_template", None):
             ids = list(self.tokenizer.apply_chat_template(record.messages, add_generation_prompt=True))
         else:
             ids = list(self.tokenizer(record.prompt, add_special_tokens=False).input_ids)
             if self.tokenizer.bos_token_id is not None:
                 ids = [int(self.tokenizer.bos_token_id), *ids]
-        return ids[-self.spec.data.max_prompt_length :]
+        return ids[-self.spec.data.max_prompt_length :] if cut else ids
 
     def next_prompts(self, n: int) -> list[PromptRef]:
-        """The next ``n`` prompts of the resumable stream."""
-        out = []
-        for _ in range(n):
+        """The next ``n`` prompts of the resumable stream; over-long ones are skipped and counted."""
+        out: list[PromptRef] = []
+        limit = self.spec.data.max_prompt_length
+        skipped_in_a_row = 0
+        while len(out) < n:
             (rec,) = self.sampler.next_batch()
-            out.append(PromptRef(rec, self.prompts_drawn, self.encode(rec)))
+            ids = self.encode(rec, cut=False)
+            if len(ids) > limit:
+                self.prompts_too_long += 1
+                skipped_in_a_row += 1
+                if skipped_in_a_row > len(self.train_records):
+                    raise UserError(
+                        f"data.maxPromptLength: every prompt of data.train ({self.spec.data.train}) is "
+                        f"longer than {limit} tokens; raise data.maxPromptLength"
+                    )
+                continue
+            skipped_in_a_row = 0
+            out.append(PromptRef(rec, self.prompts_drawn, ids))
             self.prompts_drawn += 1
         return out
 
@@ -134,12 +174,17 @@ class Trainer:
     # -- rewards -----------------------------------------------------------------------------
     def score(self, completions: Sequence[Completion], prompts: dict[str, PromptRef]) -> list[Sample]:
         """Decode, reward and shape completions (overlong penalty) into samples."""
-        texts = []
+        texts: list[str] = []
         for c in completions:
             ids = [t for t in c.token_ids if t != self.eos_id]
-            texts.append(self.tokenizer.decode(ids, skip_special_tokens=True))
+            texts.append(str(self.tokenizer.decode(ids, skip_special_tokens=True)))
         refs = [prompts[c.request_id] for c in completions]
         results = self.reward_fn([r.record.prompt for r in refs], texts, [r.record.answer for r in refs])
+        bad = [i for i, r in enumerate(results) if not math.isfinite(float(r.score))]
+        if bad:
+            completions, results, refs, texts = self._drop_nonfinite(bad, completions, results, refs, texts)
+            if not completions:
+                return []
         scores = torch.tensor([float(r.score) for r in results], dtype=torch.float32)
         ob = self.spec.algorithm.overlong_buffer
         max_len = self.spec.data.max_response_length
@@ -166,6 +211,39 @@ class Trainer:
             )
         return out
 
+    def _drop_nonfinite(
+        self, bad: list[int], completions: Sequence[Completion], results: Any, refs: Any, texts: Any
+    ) -> tuple[list[Completion], list[Any], list[PromptRef], list[str]]:
+        """``data.nonFiniteReward``: stop naming the reward function and the sample, or skip and count."""
+        d = self.spec.data
+        if d.non_finite_reward == "error":
+            i = bad[0]
+            c = completions[i]
+            raise NonFiniteRewardError(
+                f"reward function {d.reward!r} returned {float(results[i].score)} for sample "
+                f"{c.request_id}#{c.sample_index} (prompt {refs[i].record.prompt[:60]!r}, response "
+                f"{texts[i][:60]!r}; {len(bad)} of {len(results)} in this call): fix the reward function, "
+                "or set data.nonFiniteReward: skip to leave such samples out and count them"
+            )
+        self.nonfinite_rewards += len(bad)
+        drop = set(bad)
+        keep = [i for i in range(len(results)) if i not in drop]
+        return (
+            [completions[i] for i in keep],
+            [results[i] for i in keep],
+            [refs[i] for i in keep],
+            [texts[i] for i in keep],
+        )
+
+    def counters(self) -> dict[str, float]:
+        """Run-long counts for metrics and status.progress (they survive a resume)."""
+        return {
+            "data/prompts_drawn": float(self.prompts_drawn),
+            "data/prompts_too_long_total": float(self.prompts_too_long),
+            "reward/nonfinite_total": float(self.nonfinite_rewards),
+            **{k: float(v) for k, v in self.totals.items()},
+        }
+
     # -- the update --------------------------------------------------------------------------
     def train(
         self, samples: Sequence[Sample], timing: dict[str, float], *, step_lr: bool = True
@@ -175,10 +253,10 @@ class Trainer:
 
         The batch's prompt groups are put in a fresh random order and split over the trainer ranks
         (:func:`~rlkube.runtime.distributed.ranks.split_rows`: each mini-batch's groups shared
-        equally); every rank computes its rows' log-probs and values, advantages are computed here
-        over the whole batch (group baselines and batch whitening see every sample), and each rank
-        updates on its rows with loss denominators of the global mini-batch, so N ranks make the
-        same update as one.
+        equally; a batch that does not divide is padded with rows that carry no tokens); every rank
+        computes its rows' log-probs and values, advantages are computed here over the whole batch
+        (group baselines and batch whitening see every sample), and each rank updates on its rows
+        with loss denominators of the global mini-batch, so N ranks make the same update as one.
 
         The old log-prob pass is skipped when the update is one epoch over one mini-batch (pi_old is
         the current weights: the update uses its own detached log-probs, ratio == 1) and the KL is
@@ -206,7 +284,9 @@ class Trainer:
         order = list(groups)
         self.rng.shuffle(order)
         plan = split_rows([groups[g] for g in order], num_mini, self.world_size)
-        rows = torch.tensor([i for r in plan for i in r], dtype=torch.long)
+        flat = [i for r in plan for i in r]
+        rows = torch.tensor([i for i in flat if i != PAD], dtype=torch.long)
+        real = torch.tensor([i != PAD for i in flat])  # the ranks' outputs without padding rows
         wants = {
             "old": old_pass,
             # rollout correction compares with the engines' raw (temperature-1) log-probs
@@ -214,10 +294,10 @@ class Trainer:
             "ref": self.ref is not None,
             "values": self.critic is not None,
         }
-        prepared = self.learners.call("prepare", [((batch.select(r),), wants) for r in plan])
+        prepared = self.learners.call("prepare", [((_shard(batch, r),), wants) for r in plan])
         for key in ("old_logp", "raw_logp", "ref_logp", "values"):
             if key in prepared[0]:
-                batch.extras[key] = _unsplit(torch.cat([p[key] for p in prepared]), rows)
+                batch.extras[key] = _unsplit(torch.cat([p[key] for p in prepared])[real], rows)
         rank0 = prepared[0]["timing"]
         timing["old_log_prob"] = timing.get("old_log_prob", 0.0) + rank0.get("old_log_prob", 0.0)
         if "ref" in rank0:
@@ -263,13 +343,13 @@ class Trainer:
         timing["adv"] = timing.get("adv", 0.0) + time.perf_counter() - t0
         t0 = time.perf_counter()
         updated = self.learners.call(
-            "update", [((batch.select(r), num_mini, a.ppo_epochs, step_lr), {}) for r in plan]
+            "update", [((_shard(batch, r), num_mini, a.ppo_epochs, step_lr), {}) for r in plan]
         )
         metrics.update(updated[0][0])  # already reduced over ranks
         timing["update_actor"] = timing.get("update_actor", 0.0) + time.perf_counter() - t0
         if old_logp is None and "ref_logp" in batch.extras and updated[0][1] is not None:
             # the update's detached log-probs are the pre-update (old) ones
-            on_policy_logp = _unsplit(torch.cat([u[1] for u in updated]), rows)
+            on_policy_logp = _unsplit(torch.cat([u[1] for u in updated])[real], rows)
             kl = kl_penalty(on_policy_logp, batch.extras["ref_logp"], kl_type)
             metrics["actor/kl_ref"] = float(masked_mean(kl, batch.response_mask))
         metrics["actor/updates"] = float(num_mini * a.ppo_epochs)
@@ -349,6 +429,9 @@ class Trainer:
             "step": self.step,
             "version": self.version,
             "prompts_drawn": self.prompts_drawn,
+            "prompts_too_long": self.prompts_too_long,
+            "nonfinite_rewards": self.nonfinite_rewards,
+            "totals": dict(self.totals),
             "sampler": self.sampler.state_dict(),
             "world_size": self.world_size,
             "rng": {
@@ -362,6 +445,10 @@ class Trainer:
         self.step = int(state["step"])
         self.version = int(state["version"])
         self.prompts_drawn = int(state["prompts_drawn"])
+        self.prompts_too_long = int(state.get("prompts_too_long", 0))
+        self.nonfinite_rewards = int(state.get("nonfinite_rewards", 0))
+        for k, v in state.get("totals", {}).items():  # in place: the mode driver holds this Counter
+            self.totals[k] = int(v)
         self.sampler.load_state_dict(state["sampler"])
         rng = state["rng"]
         self.rng.setstate(_as_state(rng["python"]))
@@ -377,6 +464,30 @@ class Trainer:
         """Every rank reads its shards back, resharded to this world size (a checkpoint written by
         N ranks resumes on M); senders restart dense, as the engines load the checkpoint's weights."""
         self.learners.call_all("load_shards", str(path))
+
+
+def check_model_dir(field: str, path: str, need: str = "config.json") -> None:
+    """A local Hugging Face directory, or a UserError naming the field (never a hub lookup)."""
+    p = Path(path)
+    if not p.is_dir():
+        raise UserError(
+            f"{field}: {path} is not a directory on this machine/pod; point it at a Hugging Face model "
+            "directory (config.json, weights, tokenizer) or mount one there"
+        )
+    if need == "config.json" and not (p / "config.json").is_file():
+        raise UserError(f"{field}: {path} has no config.json; point it at a Hugging Face model directory")
+
+
+def load_data(field: str, path: str, prompt_key: str, answer_key: str) -> list[Record]:
+    """Records of a data file, or a UserError naming the field, the file and what is wrong."""
+    try:
+        records = load_records(path, prompt_key=prompt_key, answer_key=answer_key)
+    except (OSError, ValueError, KeyError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        raise UserError(f"{field}: {msg}") from e
+    if not records:
+        raise UserError(f"{field}: {path} holds no records; point it at a non-empty .jsonl or .parquet file")
+    return records
 
 
 def _as_state(s: Any) -> Any:
@@ -411,6 +522,18 @@ def sample_metrics(samples: Iterable[Sample], version: int) -> dict[str, float]:
         "batch/response_tokens": float(sum(lengths)),
         "batch/prompt_tokens": float(sum(len(s.prompt_ids) for s in ss)),
     }
+
+
+def _shard(batch: Batch, rows: Sequence[int]) -> Batch:
+    """A rank's rows of ``batch``; :data:`PAD` rows are copies of row 0 with no response tokens,
+    marked in ``extras["real_rows"]`` so they count as no sequence (see ``global_counts``)."""
+    if PAD not in rows:
+        return batch.select(rows)
+    real = torch.tensor([r != PAD for r in rows])
+    shard = batch.select([r if r != PAD else 0 for r in rows])
+    shard.response_mask[~real] = 0.0
+    shard.extras["real_rows"] = real.float()
+    return shard
 
 
 def _unsplit(values: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

@@ -43,11 +43,12 @@ class CriticWorker(TrainWorker):
         bf16: bool | None = None,
         micro_batch_size: int = 8,
         replicate: int = 1,
+        config_overrides: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(device=device, bf16=bf16, micro_batch_size=micro_batch_size, replicate=replicate)
         self.optim_cfg = optim or OptimConfig(lr=1e-5)
         self.loss_cfg = loss or LossConfig()
-        lm = load_causal_lm(model_path, device=self.device)
+        lm = load_causal_lm(model_path, device=self.device, config_overrides=config_overrides)
         self.model = self._wrap(ValueModel(lm).to(self.device))
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.optim_cfg.lr, weight_decay=self.optim_cfg.weight_decay

@@ -69,8 +69,11 @@ class Learner:
 
     def __init__(self, spec: RLJobSpec, *, device: str | None = None) -> None:
         from rlkube.api.algorithms import CRITIC_ESTIMATORS
+        from rlkube.runtime.rollout.registry import model_config_overrides
+        from rlkube.runtime.trainer.core import check_model_dir
         from rlkube.runtime.weights import WeightSender
 
+        check_model_dir("model.path", spec.model.path)  # a UserError naming the field, not a hub lookup
         a, t = spec.algorithm, spec.training
         torch.manual_seed(t.seed)
         self.loss_cfg = loss_config(spec)
@@ -81,6 +84,7 @@ class Learner:
             "micro_batch_size": t.micro_batch_size,
             # HSDP: shard within each trainer pod, replicate across pods
             "replicate": spec.trainer.replicas if spec.trainer.hybrid_shard else 1,
+            "config_overrides": model_config_overrides(spec),  # model.maxPositionEmbeddings
         }
         path = spec.model.path
         self.actor = PolicyWorker(

@@ -14,11 +14,20 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def load_causal_lm(path: str, *, device: torch.device, gradient_checkpointing: bool = False) -> nn.Module:
-    """fp32 master weights (bf16 compute comes from autocast / FSDP2 mixed precision)."""
+def load_causal_lm(
+    path: str,
+    *,
+    device: torch.device,
+    gradient_checkpointing: bool = False,
+    config_overrides: dict[str, Any] | None = None,
+) -> nn.Module:
+    """fp32 master weights (bf16 compute comes from autocast / FSDP2 mixed precision).
+
+    ``config_overrides`` replace config.json fields (``model.maxPositionEmbeddings``).
+    """
     from transformers import AutoModelForCausalLM
 
-    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **(config_overrides or {}))
     model = model.to(device)
     if gradient_checkpointing and device.type != "cpu":
         model.gradient_checkpointing_enable()

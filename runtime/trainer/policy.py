@@ -81,6 +81,7 @@ class PolicyWorker(TrainWorker):
         gradient_checkpointing: bool = False,
         model: nn.Module | None = None,
         replicate: int = 1,
+        config_overrides: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(device=device, bf16=bf16, micro_batch_size=micro_batch_size, replicate=replicate)
         self.loss_cfg = loss or LossConfig()
@@ -88,7 +89,10 @@ class PolicyWorker(TrainWorker):
         self.trainable = trainable
         if model is None:
             model = load_causal_lm(
-                model_path, device=self.device, gradient_checkpointing=gradient_checkpointing
+                model_path,
+                device=self.device,
+                gradient_checkpointing=gradient_checkpointing,
+                config_overrides=config_overrides,
             )
         else:  # an in-memory model (benchmarks): fp32 master weights on this worker's device
             model = model.to(device=self.device, dtype=torch.float32)

@@ -61,6 +61,9 @@ def _threads() -> None:
     import torch
 
     torch.set_num_threads(int(os.environ.get("RLKUBE_TORCH_THREADS", "1")))
+    from rlkube.runtime.train import configure_logging
+
+    configure_logging()  # an actor's INFO lines (resume, fallbacks) reach the driver's terminal
 
 
 class _Watched:
@@ -302,9 +305,13 @@ def run_on_ray(
             )
             for e, n in enumerate(names)
         ]
+        # Engines load while the ranks meet; built in a method, not the constructor, so a user
+        # error (model.path, vLLM sizing) keeps its type through Ray and rlkube-train exits 2.
+        engines_started = [h.start.remote() for h in hosts]
         host, port = run.get([ranks[0].rendezvous.remote()])[0]
         run.get([r.join.remote(host, port, backend, DEFAULT_TIMEOUT_S) for r in ranks])
         run.get([r.build.remote(spec) for r in ranks])
+        run.get(engines_started)
         caps = run.get([h.get.remote("capabilities") for h in hosts])
         workers = run.get([h.get.remote("weight_workers") for h in hosts])
         collective = all(c.distributed_weights for c in caps) and all(w > 0 for w in workers)

@@ -111,22 +111,23 @@ class TrainWorker:
             return shard_fsdp2(model, self.device, self.bf16, self.replicate)
         return model
 
-    def global_counts(self, mini: Batch) -> tuple[float, int]:
+    def global_counts(self, mini: Batch) -> tuple[float, float]:
         """Loss denominators of a mini-batch spread over every rank, scaled for FSDP's gradient mean.
 
-        Each rank holds an equal share of the mini-batch (whole prompt groups). FSDP2 averages
+        Each rank holds whole prompt groups of the mini-batch. FSDP2 averages
         gradients over ranks, so dividing each rank's summed loss by ``global / world_size`` makes
         the averaged gradient that of the global token-mean (or seq-mean): N ranks compute the
         same update as one.
         """
         tokens = float(mini.response_mask.sum().item())
-        seqs = mini.size
+        real = mini.extras.get("real_rows")  # padding rows of an uneven split are no sequence
+        seqs = mini.size if real is None else int(real.sum().item())
         if self.world_size > 1:
             import torch.distributed as dist
 
             t = torch.tensor([tokens, float(seqs)], dtype=torch.float64, device=self.device)
             dist.all_reduce(t)
-            tokens, seqs = float(t[0]) / self.world_size, int(t[1].item()) // self.world_size
+            tokens, seqs = float(t[0]) / self.world_size, float(t[1]) / self.world_size
         return tokens, seqs
 
     def reduce_metrics(

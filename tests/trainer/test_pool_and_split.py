@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rlkube.runtime.distributed.pool import EnginePool
-from rlkube.runtime.distributed.ranks import SplitError, split_rows
+from rlkube.runtime.distributed.ranks import PAD, SplitError, split_rows
 from rlkube.runtime.rollout.base import RolloutRequest, SamplingParams
 
 
@@ -39,10 +39,39 @@ def test_each_rank_gets_an_equal_share_of_every_mini_batch(
         assert all(rows[k] // group_size == rows[k - k % group_size] // group_size for k in range(len(rows)))
 
 
-def test_a_batch_that_cannot_be_split_by_whole_groups_is_refused_by_name() -> None:
-    groups = [[0, 1], [2, 3], [4, 5]]
-    with pytest.raises(SplitError, match="miniBatchSize must be a multiple of the trainer ranks"):
-        split_rows(groups, 1, 2)
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    world=st.sampled_from([1, 2, 3, 4]),
+    sizes=st.lists(st.integers(1, 4), min_size=1, max_size=12),
+    mini_size=st.integers(1, 4),
+)
+def test_an_uneven_batch_is_padded_so_every_rank_runs_equal_passes(
+    world: int, sizes: list[int], mini_size: int
+) -> None:
+    """Groups shortened or lost to ``data.nonFiniteReward: skip``: whole groups, every mini-batch
+    intact, padding only to even out the ranks."""
+    groups, start = [], 0
+    for n in sizes:
+        groups.append(list(range(start, start + n)))
+        start += n
+    num_mini = max(1, round(len(groups) / mini_size))
+    plan = split_rows(groups, num_mini, world)
+    assert len({len(rows) for rows in plan}) == 1  # equal passes on every rank
+    assert sorted(i for rows in plan for i in rows if i != PAD) == list(range(start))  # every row once
+    width = len(plan[0]) // num_mini
+    owner = {i: g for g, rows in enumerate(groups) for i in rows}
+    for m in range(num_mini):
+        got = sorted(i for rows in plan for i in rows[m * width : (m + 1) * width] if i != PAD)
+        lo, hi = m * len(groups) // num_mini, (m + 1) * len(groups) // num_mini
+        assert got == sorted(i for g in groups[lo:hi] for i in g)
+        for rows in plan:  # whole groups: a group's rows sit on one rank
+            mine = {owner[i] for i in rows[m * width : (m + 1) * width] if i != PAD}
+            assert all(set(groups[g]) <= set(rows) for g in mine)
+
+
+def test_an_empty_batch_is_refused() -> None:
+    with pytest.raises(SplitError, match="nothing to split"):
+        split_rows([], 1, 2)
 
 
 @pytest.fixture(scope="module")

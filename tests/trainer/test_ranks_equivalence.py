@@ -4,7 +4,8 @@ One ``Trainer.train`` call on the same samples with 1 rank and with 2 ranks (eac
 every mini-batch's prompt groups): the loss, the gradient norm and every updated weight agree
 within 1e-5, for token-mean and seq-mean aggregation and for HSDP (replicated across two pods),
 over two mini-batches (so the old log-prob pass, the split per mini-batch and two optimiser steps
-all run).
+all run); and for an uneven batch (groups shortened as ``data.nonFiniteReward: skip`` leaves them),
+which the split pads so both ranks run the same passes.
 """
 
 from __future__ import annotations
@@ -23,9 +24,10 @@ from .conftest import write_job
 from .rank_peers import PipePeer, join_world, serve_learner
 
 GROUPS, GROUP_SIZE = 4, 4
+UNEVEN_SIZES = [4, 3, 4, 1]  # samples kept per group when some rewards were not finite
 
 
-def _samples(trainer: Any) -> list[Any]:
+def _samples(trainer: Any, uneven: bool = False) -> list[Any]:
     """A fixed batch of scored samples (random responses over the tiny vocabulary)."""
     from rlkube.runtime.trainer.batch import Sample
 
@@ -37,10 +39,12 @@ def _samples(trainer: Any) -> list[Any]:
             resp = [rng.randrange(4, vocab) for _ in range(rng.randint(1, 4))]
             r = float(rng.random() < 0.5)
             out.append(Sample(ref.prompt_ids, resp, f"p{g}", 0, reward=r, score=r, accuracy=r))
+    if uneven:  # the first UNEVEN_SIZES[g] samples of group g survive
+        out = [x for g, n in enumerate(UNEVEN_SIZES) for x in [y for y in out if y.group == f"p{g}"][:n]]
     return out
 
 
-def _rank0(world: int, port: int, job_path: str, conns: list[Any], out: Any) -> None:
+def _rank0(world: int, port: int, job_path: str, conns: list[Any], out: Any, uneven: bool) -> None:
     from rlkube.api import load_rljob, resolve
     from rlkube.runtime.distributed.groups import leave_trainer_world
     from rlkube.runtime.trainer.core import Trainer
@@ -48,7 +52,7 @@ def _rank0(world: int, port: int, job_path: str, conns: list[Any], out: Any) -> 
     join_world(0, world, port)
     peers = [PipePeer(c) for c in conns]
     trainer = Trainer(resolve(load_rljob(job_path)), peers=peers)
-    m = trainer.train(_samples(trainer), {})
+    m = trainer.train(_samples(trainer, uneven), {})
     refs = trainer.learners.start_peers("iterate_full_parameters")
     weights = {k: v.clone() for k, v in trainer.learners.local.full_named_parameters()}
     trainer.learners.wait(refs)
@@ -58,12 +62,16 @@ def _rank0(world: int, port: int, job_path: str, conns: list[Any], out: Any) -> 
     out.put((m, {k: v.numpy() for k, v in weights.items()}))  # by value: this process exits next
 
 
-def _train(world: int, job_path: Path) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
+def _train(
+    world: int, job_path: Path, uneven: bool = False
+) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port("127.0.0.1")
     pipes = [ctx.Pipe() for _ in range(world - 1)]
-    procs = [ctx.Process(target=_rank0, args=(world, port, str(job_path), [a for a, _ in pipes], out))]
+    procs = [
+        ctx.Process(target=_rank0, args=(world, port, str(job_path), [a for a, _ in pipes], out, uneven))
+    ]
     procs += [
         ctx.Process(target=serve_learner, args=(k + 1, world, port, str(job_path), b))
         for k, (_, b) in enumerate(pipes)
@@ -83,16 +91,18 @@ def _train(world: int, job_path: Path) -> tuple[dict[str, float], dict[str, torc
 
 
 CASES = {
-    "fsdp2-token-mean": ("token-mean", {"gpusPerReplica": 2}),
-    "fsdp2-seq-mean": ("seq-mean-token-mean", {"gpusPerReplica": 2}),
+    "fsdp2-token-mean": ("token-mean", {"gpusPerReplica": 2}, False),
+    "fsdp2-seq-mean": ("seq-mean-token-mean", {"gpusPerReplica": 2}, False),
     # HSDP: two pods of one rank, the model replicated across pods (gradients all-reduced)
-    "hsdp-token-mean": ("token-mean", {"replicas": 2, "gpusPerReplica": 1, "hybridShard": True}),
+    "hsdp-token-mean": ("token-mean", {"replicas": 2, "gpusPerReplica": 1, "hybridShard": True}, False),
+    # groups of 4, 3, 4 and 1 samples: padded so both ranks run equal passes
+    "fsdp2-uneven-seq-mean": ("seq-mean-token-mean", {"gpusPerReplica": 2}, True),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_ranks_update_equals_one(tmp_path: Path, tiny_task: Any, case: str) -> None:
-    agg, trainer = CASES[case]
+    agg, trainer, uneven = CASES[case]
     job = write_job(
         tmp_path / "job.yaml",
         tiny_task,
@@ -100,8 +110,8 @@ def test_two_ranks_update_equals_one(tmp_path: Path, tiny_task: Any, case: str) 
         algorithm={"name": "grpo", "groupSize": GROUP_SIZE, "lossAggregation": agg},
         training={"trainBatchSize": GROUPS, "miniBatchSize": 2, "microBatchSize": 3, "learningRate": 1e-3},
     )
-    m1, w1 = _train(1, job)
-    m2, w2 = _train(2, job)
+    m1, w1 = _train(1, job, uneven)
+    m2, w2 = _train(2, job, uneven)
     assert m1["trainer/world_size"] == 1 and m2["trainer/world_size"] == 2
     assert m1["actor/updates"] == m2["actor/updates"] == 2
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/clip_frac", "actor/approx_kl"):
