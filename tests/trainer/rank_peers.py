@@ -9,6 +9,7 @@ global loss denominators) is the runtime's own; only the call transport is not R
 from __future__ import annotations
 
 import os
+import random
 from typing import Any
 
 import torch
@@ -71,3 +72,26 @@ def serve_learner(rank: int, world: int, port: int, job_path: str, conn: Any) ->
                 conn.send(("err", repr(e)))
     finally:
         leave_trainer_world()
+
+
+def fixed_samples(trainer: Any, groups: int = 4, group_size: int = 4) -> list[Any]:
+    """A fixed batch of scored samples (random responses over the tiny vocabulary)."""
+    from rlkube.runtime.trainer.batch import Sample
+
+    rng = random.Random(7)
+    vocab = int(trainer.actor.model.config.vocab_size)
+    out = []
+    for g, ref in enumerate(trainer.next_prompts(groups)):
+        for _ in range(group_size):
+            resp = [rng.randrange(4, vocab) for _ in range(rng.randint(1, 4))]
+            r = float(rng.random() < 0.5)
+            out.append(Sample(ref.prompt_ids, resp, f"p{g}", 0, reward=r, score=r, accuracy=r))
+    return out
+
+
+def full_weights(trainer: Any) -> dict[str, Any]:
+    """Rank 0's gathered full weights (every rank takes part in each gather), as numpy copies."""
+    refs = trainer.learners.start_peers("iterate_full_parameters")
+    weights = {k: v.clone().numpy() for k, v in trainer.learners.local.full_named_parameters()}
+    trainer.learners.wait(refs)
+    return weights

@@ -5,6 +5,7 @@ next save succeeds."""
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 from pathlib import Path
@@ -105,3 +106,76 @@ def test_a_run_resumes_from_the_previous_checkpoint_when_the_newest_is_damaged(
     assert [r["step"] for r in read_jsonl(res.metrics_path) if r["step"] > 0] == [1, 2, 3, 4, 5, 6]
     assert (out / "checkpoints" / "corrupt-step-000004").is_dir()
     assert os.path.isdir(out / "checkpoints" / "step-000006")
+
+
+def _two_ranks_save_damage_load(port: int, job_path: str, root: str, conn: Any, out: Any) -> None:
+    """Rank 0 of a 2-rank gloo world: checkpoints at steps 1 and 2 (each rank its DCP shard), rank
+    1's shard of step 2 damaged, then a load over both ranks."""
+    from rlkube.runtime.distributed.groups import leave_trainer_world
+    from rlkube.runtime.trainer.core import Trainer
+
+    from .rank_peers import PipePeer, fixed_samples, full_weights, join_world
+
+    join_world(0, 2, port)
+    peer = PipePeer(conn)
+    trainer = Trainer(resolve(load_rljob(job_path)), peers=[peer])
+    saved = {}
+    for step in (1, 2):
+        trainer.train(fixed_samples(trainer), {})
+        trainer.step = step
+        ckpt.save_checkpoint(root, step, trainer.state_dict(), [], write_shards=trainer.save_models)
+        saved[step] = full_weights(trainer)
+    shard = Path(root) / "step-000002" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # same size, different bytes: only the CRC can tell
+    shard.write_bytes(bytes(data))
+    loaded = ckpt.load_latest(root, load_shards=trainer.load_models)
+    assert loaded is not None
+    now = full_weights(trainer)
+    diff = {s: max(float(abs(now[k] - w[k]).max()) for k in w) for s, w in saved.items()}
+    peer.close()
+    leave_trainer_world()
+    out.put((loaded[0]["step"], diff))
+
+
+def test_a_damaged_rank_shard_falls_back_on_every_rank(tmp_path: Path, tiny_task: Any) -> None:
+    """Two trainer ranks, each writing its own DCP shard: the manifest covers every rank's shard, so
+    a corrupt shard of rank 1 in the newest checkpoint is caught before any rank loads, and both
+    ranks resume from the previous checkpoint's weights."""
+    import multiprocessing as mp
+
+    from rlkube.runtime.distributed.groups import free_port
+
+    from .rank_peers import serve_learner
+
+    job = write_job(
+        tmp_path / "job.yaml",
+        tiny_task,
+        trainer={"gpusPerReplica": 2},
+        training={"trainBatchSize": 4, "miniBatchSize": 2, "learningRate": 1e-3},
+    )
+    root = tmp_path / "ckpt"
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port("127.0.0.1")
+    a, b = ctx.Pipe()
+    procs = [
+        ctx.Process(target=_two_ranks_save_damage_load, args=(port, str(job), str(root), a, out)),
+        ctx.Process(target=serve_learner, args=(1, 2, port, str(job), b)),
+    ]
+    for p in procs:
+        p.start()
+    try:
+        step, diff = out.get(timeout=600)
+        for p in procs:
+            p.join(timeout=60)
+        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    assert step == 1
+    assert diff[1] == 0.0 and diff[2] > 0  # step 1's weights on both ranks, not step 2's
+    assert sorted(p.name for p in root.iterdir()) == ["corrupt-step-000002", "step-000001"]
+    manifest = json.loads((root / "step-000001" / MANIFEST).read_text())["files"]
+    assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "state.pt", "replay.json"} <= set(manifest)

@@ -11,7 +11,6 @@ which the split pads so both ranks run the same passes.
 from __future__ import annotations
 
 import multiprocessing as mp
-import random
 from pathlib import Path
 from typing import Any
 
@@ -21,24 +20,14 @@ import torch
 from rlkube.runtime.distributed.groups import free_port
 
 from .conftest import write_job
-from .rank_peers import PipePeer, join_world, serve_learner
+from .rank_peers import PipePeer, fixed_samples, full_weights, join_world, serve_learner
 
 GROUPS, GROUP_SIZE = 4, 4
 UNEVEN_SIZES = [4, 3, 4, 1]  # samples kept per group when some rewards were not finite
 
 
 def _samples(trainer: Any, uneven: bool = False) -> list[Any]:
-    """A fixed batch of scored samples (random responses over the tiny vocabulary)."""
-    from rlkube.runtime.trainer.batch import Sample
-
-    rng = random.Random(7)
-    vocab = int(trainer.actor.model.config.vocab_size)
-    out = []
-    for g, ref in enumerate(trainer.next_prompts(GROUPS)):
-        for _ in range(GROUP_SIZE):
-            resp = [rng.randrange(4, vocab) for _ in range(rng.randint(1, 4))]
-            r = float(rng.random() < 0.5)
-            out.append(Sample(ref.prompt_ids, resp, f"p{g}", 0, reward=r, score=r, accuracy=r))
+    out = fixed_samples(trainer, GROUPS, GROUP_SIZE)
     if uneven:  # the first UNEVEN_SIZES[g] samples of group g survive
         out = [x for g, n in enumerate(UNEVEN_SIZES) for x in [y for y in out if y.group == f"p{g}"][:n]]
     return out
@@ -53,13 +42,11 @@ def _rank0(world: int, port: int, job_path: str, conns: list[Any], out: Any, une
     peers = [PipePeer(c) for c in conns]
     trainer = Trainer(resolve(load_rljob(job_path)), peers=peers)
     m = trainer.train(_samples(trainer, uneven), {})
-    refs = trainer.learners.start_peers("iterate_full_parameters")
-    weights = {k: v.clone() for k, v in trainer.learners.local.full_named_parameters()}
-    trainer.learners.wait(refs)
+    weights = full_weights(trainer)
     for p in peers:
         p.close()
     leave_trainer_world()
-    out.put((m, {k: v.numpy() for k, v in weights.items()}))  # by value: this process exits next
+    out.put((m, weights))  # by value: this process exits next
 
 
 def _train(
