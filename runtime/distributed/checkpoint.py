@@ -36,7 +36,7 @@ def save_model_shards(path: str | Path, stateful: dict[str, tuple[Any, Any, Any]
     """Write ``{name: (model, optimizer, lr scheduler)}`` into ``path`` (collective over the ranks)."""
     import torch.distributed.checkpoint as dcp
 
-    with _one_process_quiet():
+    with _one_process_quiet(), _plain_errors("save"):
         dcp.save(_state(stateful), checkpoint_id=str(path))
 
 
@@ -47,7 +47,7 @@ def load_model_shards(path: str | Path, stateful: dict[str, tuple[Any, Any, Any]
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = _state(stateful)
-    with _one_process_quiet():
+    with _one_process_quiet(), _plain_errors("load"):
         dcp.load(state, checkpoint_id=str(path))
     for name, (model, optim, sched) in stateful.items():
         set_state_dict(
@@ -66,6 +66,26 @@ def _one_process_quiet() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         yield
+
+
+@contextlib.contextmanager
+def _plain_errors(what: str) -> Iterator[None]:
+    """DCP raises ``CheckpointException``, a BaseException that slips past ``except Exception``
+    (the checkpoint guard's clean-up and fallback, ``rlkube-train``'s one-line errors). Re-raise
+    the first rank's OSError as itself (ENOSPC keeps its errno and file: the guard reports it),
+    anything else as a RuntimeError naming the ranks."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as e:
+        failures = sorted(e.failures.items())
+        causes = [(rank, f[0] if isinstance(f, tuple) else f) for rank, f in failures]
+        for _, exc in causes:
+            if isinstance(exc, OSError):
+                raise exc from None
+        detail = "; ".join(f"rank {rank}: {type(exc).__name__}: {exc}" for rank, exc in causes)
+        raise RuntimeError(f"checkpoint shards {what} failed: {detail}") from None
 
 
 def has_model_shards(path: str | Path) -> bool:

@@ -179,3 +179,39 @@ def test_a_damaged_rank_shard_falls_back_on_every_rank(tmp_path: Path, tiny_task
     assert sorted(p.name for p in root.iterdir()) == ["corrupt-step-000002", "step-000001"]
     manifest = json.loads((root / "step-000001" / MANIFEST).read_text())["files"]
     assert {"__0_0.distcp", "__1_0.distcp", ".metadata", "state.pt", "replay.json"} <= set(manifest)
+
+
+def test_shards_that_hit_enospc_clean_up_and_name_checkpoint_path(tmp_path: Path, monkeypatch: Any) -> None:
+    """DCP wraps a rank's write error in its own CheckpointException (a BaseException): the guard
+    still sees the ENOSPC, removes the staging directory and says what to free."""
+    import contextlib
+    from collections.abc import Iterator
+
+    from torch.distributed.checkpoint import filesystem
+
+    from rlkube.runtime.distributed.checkpoint import save_model_shards
+
+    model = torch.nn.Linear(32, 32)
+    optim = torch.optim.AdamW(model.parameters())
+    real = filesystem.FileSystem.create_stream
+
+    @contextlib.contextmanager
+    def shard_onto_a_full_disk(self: Any, path: Any, mode: str) -> Iterator[Any]:
+        if str(path).endswith(".distcp"):
+            with open("/dev/full", mode) as f:  # the kernel's own ENOSPC
+                yield f
+        else:
+            with real(self, path, mode) as f:
+                yield f
+
+    def shards(d: Path) -> None:
+        save_model_shards(d, {"actor": (model, optim, None)})
+
+    _save(tmp_path, 2)
+    monkeypatch.setattr(filesystem.FileSystem, "create_stream", shard_onto_a_full_disk)
+    with pytest.raises(CheckpointSaveError) as err:
+        ckpt.save_checkpoint(tmp_path, 4, {"step": 4}, [], write_shards=shards)
+    assert err.value.__cause__ is not None and err.value.__cause__.errno == errno.ENOSPC  # type: ignore[attr-defined]
+    assert "No space left on device" in str(err.value) and "checkpoint.path" in str(err.value)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tmp-")], "staging dir left behind"
+    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step-000002"]
