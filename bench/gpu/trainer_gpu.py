@@ -45,7 +45,7 @@ def _import_rlkube() -> None:
     sys.modules["rlkube"] = pkg
     import importlib.util
 
-    for name, folder in (("rlkube.runtime", top / "runtime"), ("rlkube.api", top / "runtime" / "api")):
+    for name, folder in (("rlkube.runtime", top / "runtime"), ("rlkube.api", top / "api")):
         spec = importlib.util.spec_from_file_location(
             name, folder / "__init__.py", submodule_search_locations=[str(folder)]
         )
