@@ -499,8 +499,9 @@ class HFEngine(ThreadedEngine):
         idx = torch.tensor(slots, dtype=torch.long, device=self.device)
         n_gen = s.n_gen[idx].tolist()
         stopped = s.stopped[idx].tolist()
-        toks = s.out_tok[idx].tolist()
-        lps = s.out_lp[idx].tolist()
+        width = max(n_gen, default=0)  # read only the generated columns, not the whole budget
+        toks = s.out_tok[idx, :width].tolist()
+        lps = s.out_lp[idx, :width].tolist()
         s.running[idx] = False
         out = []
         for j, slot in enumerate(slots):

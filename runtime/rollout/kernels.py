@@ -318,7 +318,14 @@ def _next_pow2(n: int) -> int:
 
 
 class TritonDecodeAttention:
-    """Flash-decoding over each row's own length; partial buffers sized once for the cache."""
+    """Flash-decoding over each row's own length; partial buffers sized once for the cache.
+
+    The chunk each program takes (``split``) shrinks when few rows are decoding, so that a small
+    batch still spreads over the whole GPU (64 rows x 2 KV heads of 300 positions: 6 chunks of
+    64, 768 programs) while a large one keeps the combine step short.
+    """
+
+    TARGET_PROGRAMS = 2048
 
     def __init__(
         self, max_rows: int, n_kv: int, group: int, head_dim: int, max_seq: int, device: torch.device
@@ -327,38 +334,52 @@ class TritonDecodeAttention:
             raise RuntimeError("triton is not importable")
         if head_dim & (head_dim - 1) or head_dim < 16:
             raise ValueError(f"head_dim {head_dim} must be a power of two >= 16 for the Triton decode kernel")
-        self.split = 256
         self.block_n = 64
         self.block_g = max(16, _next_pow2(group))
-        self.group, self.d = group, head_dim
-        self.n_splits = math.ceil(max_seq / self.split)
-        shape = (max_rows, n_kv, self.n_splits, self.block_g)
-        self.m_part = torch.empty(shape, dtype=torch.float32, device=device)
-        self.l_part = torch.empty(shape, dtype=torch.float32, device=device)
-        self.o_part = torch.empty((*shape, head_dim), dtype=torch.float32, device=device)
+        self.group, self.d, self.n_kv, self.max_seq = group, head_dim, n_kv, max_seq
+        # partials of the largest (rows x splits) any call can use, laid out per call
+        size = max(b * n_kv * math.ceil(max_seq / self.split_for(b)) for b in range(1, max_rows + 1))
+        self.m_part = torch.empty(size * self.block_g, dtype=torch.float32, device=device)
+        self.l_part = torch.empty(size * self.block_g, dtype=torch.float32, device=device)
+        self.o_part = torch.empty(size * self.block_g * head_dim, dtype=torch.float32, device=device)
+
+    def split_for(self, rows: int) -> int:
+        """Positions per program: the smallest power of two in [64, 512] that keeps the grid near
+        ``TARGET_PROGRAMS`` programs."""
+        split = 64
+        while split < 512 and rows * self.n_kv * math.ceil(self.max_seq / split) > self.TARGET_PROGRAMS:
+            split *= 2
+        return split
 
     def __call__(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_len: torch.Tensor
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        seq_len: torch.Tensor,
+        split: int | None = None,
     ) -> torch.Tensor:
         b, n_kv, g, d = q.shape
         if q.stride(-1) != 1:
             q = q.contiguous()
-        assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1
+        assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and k_cache.shape[2] <= self.max_seq
+        split = split or self.split_for(b)
+        n_splits = math.ceil(self.max_seq / split)
+        assert b * n_kv * n_splits * self.block_g <= self.m_part.numel()
         out = torch.empty((b, n_kv, g, d), dtype=q.dtype, device=q.device)
-        grid = (b, n_kv, self.n_splits)
-        _attn_split_kernel[grid](
+        _attn_split_kernel[(b, n_kv, n_splits)](
             q, k_cache, v_cache, seq_len, self.o_part, self.m_part, self.l_part,
             q.stride(0), q.stride(1), q.stride(2),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            self.n_splits, g, 1.0 / math.sqrt(d),
-            SPLIT=self.split, BLOCK_N=self.block_n, BLOCK_G=self.block_g, D=d,
+            n_splits, g, 1.0 / math.sqrt(d),
+            SPLIT=split, BLOCK_N=self.block_n, BLOCK_G=self.block_g, D=d,
             IEEE=q.dtype == torch.float32,
         )  # fmt: skip
         _attn_combine_kernel[(b, n_kv)](
             self.o_part, self.m_part, self.l_part, seq_len, out,
             out.stride(0), out.stride(1), out.stride(2),
-            self.n_splits, g, SPLIT=self.split, BLOCK_G=self.block_g, D=d,
+            n_splits, g, SPLIT=split, BLOCK_G=self.block_g, D=d,
         )  # fmt: skip
         return out
 
@@ -416,11 +437,14 @@ def self_check(kind: str, fn: Any, device: torch.device, **shape: Any) -> str | 
             vc = torch.randn(rows, n_kv, s, d, generator=g).to(device, dtype)
             seq = torch.randint(1, s + 1, (rows,), generator=g).to(device)
             seq[0] = s
-            got = fn(q, kc, vc, seq).float()
             want = decode_attention_ref(q.float(), kc.float(), vc.float(), seq, s)
-            err = float((got - want).norm() / want.norm())
             tol = 2e-2 if dtype != torch.float32 else 1e-4
-            return None if err < tol else f"attention kernel relative error {err:.3g} >= {tol}"
+            for split in (None, 512):  # the split this row count gets, and the largest
+                got = fn(q, kc, vc, seq, split=split).float()
+                err = float((got - want).norm() / want.norm())
+                if not err < tol:
+                    return f"attention kernel (split {split}) relative error {err:.3g} >= {tol}"
+            return None
         if kind == "sample":
             rows, vocab, dtype = shape["rows"], shape["vocab"], shape["dtype"]
             x = (torch.randn(rows, vocab, generator=g) * 3).to(device, dtype)
