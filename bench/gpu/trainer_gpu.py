@@ -73,6 +73,7 @@ def rlkube_grpo(
     from rlkube.runtime.rollout.hf import HFEngine
     from rlkube.runtime.trainer.actor import LossConfig, OptimConfig, PolicyWorker, needs_old_logprob_pass
     from rlkube.runtime.trainer.batch import Sample, collate
+    from rlkube.runtime.trainer.packing import padded_tokens, row_lengths, token_micro_batches
     from rlkube.runtime.weights import WeightSender
 
     bf16 = device.type == "cuda"
@@ -176,6 +177,10 @@ def rlkube_grpo(
         resp = sum(len(c.token_ids) for c in comps)
         seq_lens = [len(c.prompt_ids) + len(c.token_ids) for c in comps]
         padded = batch_t.input_ids.numel()
+        plens, rlens_real = row_lengths(batch_t)
+        packed = padded_tokens(
+            plens, rlens_real, token_micro_batches(plens, rlens_real, args.micro_batch_tokens)
+        )
         flops = update_flops(cost, seq_lens) * (4 / 3 if old_pass else 1.0)
         per_sample_p = [p for p in p_lens for _ in range(group)]
         bound = rollout_bound(cost, per_sample_p, r_lens, read_bps, gemm, distinct_prompts=len(p_lens))
@@ -196,6 +201,8 @@ def rlkube_grpo(
                 "update_tokens": sum(seq_lens),
                 "padded_tokens": padded,
                 "padding_fraction": 1 - sum(seq_lens) / padded,
+                # what micro-batches of <= micro_batch_tokens padded tokens (trainer.packing) would leave
+                "padding_fraction_token_microbatches": 1 - sum(seq_lens) / packed,
             }
         )
     if args.profile and device.type == "cuda":  # one more update of the last batch, profiled
@@ -232,6 +239,55 @@ def rlkube_grpo(
         "rollout_fraction_of_bound": avg["rollout_fraction_of_bound"],
         "peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None,
     }
+
+
+def head_bench(size: str, device: torch.device, tokens: int, repeats: int = 5) -> dict[str, Any]:
+    """Log-prob + entropy of ``tokens`` response tokens through the LM head, forward + backward:
+    the full float32 logits path (what the actor does today) vs ``trainer.logprob.chunked_logprobs``."""
+    from rlkube.runtime.algos import entropy_from_logits, logprobs_from_logits
+    from rlkube.runtime.models.tiny import qwen2_like_config
+    from rlkube.runtime.trainer.logprob import chunked_logprobs
+
+    cfg = qwen2_like_config(size)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    weight = (torch.randn(cfg.vocab_size, cfg.hidden_size, generator=g) * 0.02).to(device).requires_grad_()
+    hidden = torch.randn(tokens, cfg.hidden_size, generator=g).to(device, torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, cfg.vocab_size, (tokens,), generator=g).to(device)
+
+    def full() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = torch.nn.functional.linear(hidden, weight)
+        lp = logprobs_from_logits(logits[None], targets[None])
+        with torch.no_grad():
+            entropy_from_logits(logits.detach()[None])
+        lp.sum().backward()
+
+    def chunked() -> None:
+        lp, ent = chunked_logprobs(hidden, weight, targets, with_entropy=True)
+        (lp.sum() + 0.0 * ent.sum()).backward()  # type: ignore[union-attr]
+
+    out: dict[str, Any] = {"tokens": tokens, "vocab": cfg.vocab_size, "hidden": cfg.hidden_size}
+    for name, fn in (("full_logits", full), ("chunked", chunked)):
+        for _ in range(2):
+            fn()
+        sync(device)
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        times = []
+        for _ in range(repeats):
+            weight.grad, hidden.grad = None, None
+            sync(device)
+            t = time.perf_counter()
+            fn()
+            sync(device)
+            times.append(time.perf_counter() - t)
+        out[name] = {
+            "seconds_median": statistics.median(times),
+            "peak_extra_gib": (torch.cuda.max_memory_allocated(device) - base) / 2**30,
+        }
+    out["speedup"] = out["full_logits"]["seconds_median"] / out["chunked"]["seconds_median"]
+    return out
 
 
 def trl_grpo(size: str, args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -333,6 +389,10 @@ def main() -> int:
     p.add_argument("--rl-max-response", type=int, default=1024)
     p.add_argument("--micro-batch", type=int, default=16)
     p.add_argument("--no-trl", action="store_true")
+    p.add_argument("--no-head-bench", action="store_true")
+    p.add_argument(
+        "--micro-batch-tokens", type=int, default=16384, help="token budget for the padding estimate"
+    )
     p.add_argument("--profile", action="store_true", help="kernel table of one update (GPU)")
     p.add_argument("--compile", choices=sorted(COMPILE_CHOICES), default="auto")
     p.add_argument(
@@ -385,6 +445,14 @@ def main() -> int:
                 entry[job] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}
             if device.type == "cuda":
                 torch.cuda.empty_cache()
+        if device.type == "cuda" and not args.no_head_bench:
+            try:
+                entry["lm_head_logprob"] = head_bench(
+                    size, device, tokens=args.micro_batch * (args.prompt_len + args.new_tokens)
+                )
+            except Exception as e:
+                entry["lm_head_logprob"] = {"error": f"{type(e).__name__}: {e}"}
+            torch.cuda.empty_cache()
         today = entry.get("today", {})
         entry["mfu_update"] = today.get("mfu_update")
         if not args.no_trl and "today" in entry:
@@ -416,6 +484,12 @@ def main() -> int:
                 f"update MFU {100 * r['mfu_update']:.1f}%, padding {100 * m['padding_fraction']:.0f}%, "
                 f"peak {r['peak_memory_gib'] or 0:.1f} GiB"
             )
+        hb = e.get("lm_head_logprob", {})
+        if "speedup" in hb:
+            f, c = hb["full_logits"], hb["chunked"]
+            ff = f"{1e3 * f['seconds_median']:.1f} ms +{f['peak_extra_gib']:.1f} GiB"
+            cc = f"{1e3 * c['seconds_median']:.1f} ms +{c['peak_extra_gib']:.1f} GiB"
+            print(f"{e['size']:>5}  LM-head logprob fwd+bwd, {hb['tokens']} tokens: full {ff}, chunked {cc}")
         if "speedup_vs_trl_median" in e:
             rng = e["trl_step_s_range"]
             print(f"{e['size']:>5}  vs TRL: {e['speedup_vs_trl_median']:.2f}x (TRL steps {rng} s)")
