@@ -388,6 +388,7 @@ def main() -> int:
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--rl-max-response", type=int, default=1024)
     p.add_argument("--micro-batch", type=int, default=16)
+    p.add_argument("--rl-micro-batch", type=int, default=8)
     p.add_argument("--no-trl", action="store_true")
     p.add_argument("--no-head-bench", action="store_true")
     p.add_argument(
@@ -437,7 +438,9 @@ def main() -> int:
     for size in args.sizes.split(","):
         entry: dict[str, Any] = {"size": size}
         for job in args.jobs.split(","):
-            a = argparse.Namespace(**{**vars(args), "steps": args.steps if job == "today" else args.rl_steps})
+            a = argparse.Namespace(**vars(args))
+            if job == "rl":  # 8 rows of up to ~1,350 tokens: the float32 logits of 16 would not fit at 1.5B
+                a.steps, a.micro_batch = args.rl_steps, args.rl_micro_batch
             try:
                 entry[job] = rlkube_grpo(size, job, a, device, ceil)
             except Exception as e:
