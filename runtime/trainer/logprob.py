@@ -26,7 +26,7 @@ from torch import Tensor
 
 class _ChunkedHeadLogprob(torch.autograd.Function):
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         hidden: Tensor,
         weight: Tensor,
@@ -55,7 +55,7 @@ class _ChunkedHeadLogprob(torch.autograd.Function):
         return logp, ent
 
     @staticmethod
-    def backward(ctx: Any, g_logp: Tensor | None, g_ent: Tensor | None) -> tuple[Any, ...]:  # type: ignore[override]
+    def backward(ctx: Any, g_logp: Tensor | None, g_ent: Tensor | None) -> tuple[Any, ...]:
         hidden, weight, targets, lse_all, ent = ctx.saved_tensors
         inv_temp, chunk = ctx.inv_temp, ctx.chunk
         use_ent = ctx.with_entropy and g_ent is not None
