@@ -14,10 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from rlkube.api import RLJobSpec
-from rlkube.api.contract import Engine
-
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # types only: the engines run where rlkube.api's pydantic is absent (GPU benches)
+    from rlkube.api import RLJobSpec
+    from rlkube.api.contract import Engine
     from rlkube.runtime.rollout.base import RolloutEngine
 
 ModelPath = Literal["required", "optional", "none"]
