@@ -50,7 +50,11 @@ def gumbel_noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
     """``[rows, vocab]`` float32 Gumbel noise from the per-element hash (the kernel computes the same)."""
     v = torch.arange(vocab, device=seeds.device, dtype=torch.long)
     h = fmix32(seeds[:, None] ^ ((v[None] * _VOCAB_MIX) & _M32))
-    u = ((h >> 8).float() + 0.5) * (1.0 / 16777216.0)  # (0, 1), 24 random bits
+    # 23 random bits: k + 0.5 (k < 2**23) is exact in float32, so u lies in [2**-24, 1 - 2**-24].
+    # With 24 bits the top value 2**24 - 0.5 rounds to 2**24, u == 1.0 and the noise is +inf: one
+    # element in 2**24 (about one token in a hundred over a 152k vocabulary) would win whatever
+    # its probability.
+    u = ((h >> 9).float() + 0.5) * (1.0 / 8388608.0)
     return -torch.log(-torch.log(u))
 
 
@@ -271,7 +275,7 @@ if HAVE_TRITON:
             s = tl.where(m_new == float("-inf"), 0.0, s * tl.exp(m - m_new) + tl.exp(x - m_new))
             m = m_new
             hsh = _fmix32_tl(seed ^ (v.to(tl.uint32) * 0x85EBCA77))
-            u = ((hsh >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            u = ((hsh >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # as gumbel_noise
             g = -tl.log(-tl.log(u))
             score = tl.where(greedy, x, x * inv_t + g)
             score = tl.where(mask, score, float("-inf"))

@@ -25,6 +25,8 @@ from rlkube.runtime.rollout.base import RolloutRequest, SamplingParams
 from rlkube.runtime.rollout.hf import HFEngine, teacher_forced_logprobs
 from rlkube.runtime.rollout.hf_decode import StaticDecoder, batch_buckets
 
+from .test_sampler_distribution import seed_hashing_to
+
 ROOT = Path(__file__).resolve().parents[2]
 LOGPROB_ATOL = 1e-4
 
@@ -153,6 +155,11 @@ KERNEL_SCRIPT = textwrap.dedent(
     rtok, rlp = K.sample_tokens_ref(x, t, seeds)
     out["same_tokens"] = tok.tolist() == rtok.tolist()
     out["lp_err"] = float((lp - rlp).abs().max())
+    # the largest hash at token 700 must not beat a token holding all the mass
+    x = torch.full((1, 20000), -40.0)
+    x[0, 0] = 40.0
+    tok, _ = K.TritonSampler(1, 20000, cpu)(x, torch.ones(1), torch.tensor([MAX_HASH_SEED]))
+    out["extreme_hash_token"] = tok.item()
     print(json.dumps(out))
     """
 )
@@ -195,7 +202,7 @@ def _interpret(script: str) -> dict[str, Any]:
 
 
 def test_triton_kernels_match_their_references_in_the_interpreter() -> None:
-    out = _interpret(KERNEL_SCRIPT)
+    out = _interpret(KERNEL_SCRIPT.replace("MAX_HASH_SEED", str(seed_hashing_to(0xFFFFFFFF, 700))))
     for key in (
         "attention_torch.float32",
         "attention_torch.float16",
@@ -204,6 +211,7 @@ def test_triton_kernels_match_their_references_in_the_interpreter() -> None:
     ):
         assert out[key] is None, (key, out[key])
     assert out["same_tokens"] and out["lp_err"] < 1e-5
+    assert out["extreme_hash_token"] == 0
 
 
 def test_engine_with_triton_kernels_equals_engine_without() -> None:
