@@ -11,12 +11,13 @@ compares every tensor with the trainer's (mapped through IPC as well): bit-ident
 
     python bench/gpu/ipc_gpu.py [--sizes 0.5b,7b]        # JSON on stdout and in $OUT/ipc-gpu.json
 
-One GPU, torch only (no Ray, no vLLM; rlkube need not be installed: run through bench/gpu/run.sh).
+One GPU, torch only (no Ray, no vLLM, no pydantic; rlkube need not be installed: ``_common.import_rlkube``).
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import statistics
@@ -26,6 +27,14 @@ from typing import Any
 
 import torch
 import torch.multiprocessing as mp
+
+# rlkube from this checkout without an install (and without pydantic); at import, so the spawned
+# engine process (which re-imports this file) maps it too.
+_spec = importlib.util.spec_from_file_location("rlkube_bench_common", Path(__file__).with_name("_common.py"))
+assert _spec is not None and _spec.loader is not None
+common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(common)
+common.import_rlkube()
 
 BUCKET_MB = 512
 

@@ -1,19 +1,25 @@
-"""Rollout decode speed on one GPU: the hf engine vs ``transformers.generate``, against the bound.
+"""Rollout decode speed on one GPU: the hf engine against the honest bound (and ``generate``).
 
-Random-init Qwen2 with Qwen2.5-0.5B / 1.5B shapes, bf16, P prompts x S samples (default 8 x 8 = 64
-completions) of N new tokens (256) after a 64-token prompt, no stop tokens (every completion runs
-to length, so both sides generate exactly the same number of tokens). One process, no Ray, no vLLM.
+Random-init Qwen2 with Qwen2.5-0.5B / 1.5B shapes, bf16, no stop tokens (lengths are set by each
+sample's ``max_tokens``), one process, no Ray, no vLLM. Three shapes:
 
-Bound: a decode step must read every weight once plus the batch's KV cache, so
-``tokens/s <= batch / ((weight_bytes + batch * kv_bytes_per_token * mean_context) / bandwidth)``.
-Bandwidth is a measured device-to-device copy. Two figures are reported: ``rw`` counts a copy's
-bytes twice (read + write; the stricter bound, primary) and ``copy`` counts them once (the
-definition behind the 0.6%-of-bound figure quoted for ``generate`` in shared/reference/rl.md).
+- ``b64``: today's GRPO job, 8 prompts x 8 samples, 64-token prompts, 256 new tokens each;
+- ``b512``: 64 prompts x 8 samples, same lengths (the batch-512 decode target);
+- ``rl``: 64 prompts x 8 samples, prompts of 64-320 tokens and responses of 32-1,024 tokens drawn
+  per sample (``_common.draw_rl_lengths``): samples finish at their own lengths, as with EOS.
 
-    python bench/gpu/rollout_gpu.py                 # GPU: 0.5b and 1.5b
-    python bench/gpu/rollout_gpu.py --smoke         # CPU: tiny shapes, seconds (tested in CI)
+The bound: the same run measures the device's read bandwidth (a read-only float32 sum over 4 GiB)
+and dense bf16 GEMM rate (8192^3 on random data); ``rlkube.runtime.models.roofline.rollout_bound``
+sums, over every decode step, ``max(bytes / read bandwidth, FLOPs / GEMM rate)`` with the bytes a
+step must move (weights once, the KV of every live sample over its context, logits) and adds one
+prefill per distinct prompt. ``fraction_of_bound`` = bound time / measured time of the whole
+``generate`` call (prefill, admission and host work included).
 
-Writes JSON to stdout and to ``$OUT/rollout-gpu.json`` when ``$OUT`` is set.
+    python bench/gpu/rollout_gpu.py                  # GPU: 0.5b and 1.5b, all shapes
+    python bench/gpu/rollout_gpu.py --smoke          # CPU: tiny shapes, seconds (tested in CI)
+
+Writes JSON to stdout and to ``$OUT/rollout-gpu.json`` when ``$OUT`` is set (``--profile`` also
+writes a kernel table of the b64 decode to ``$OUT/rollout-profile.txt``).
 """
 
 from __future__ import annotations
@@ -22,39 +28,20 @@ import argparse
 import importlib.util
 import json
 import os
-import sys
 import time
 import traceback
-import types
 from pathlib import Path
 from typing import Any
 
-
-def _import_rlkube() -> None:
-    """Use the installed package, else map ``rlkube.runtime`` onto this checkout (GPU box: no install)."""
-    try:
-        import rlkube.runtime.rollout.hf  # noqa: F401
-
-        return
-    except ImportError:
-        pass
-    root = Path(__file__).resolve().parents[2]
-    pkg = types.ModuleType("rlkube")
-    pkg.__path__ = []
-    sys.modules["rlkube"] = pkg
-    spec = importlib.util.spec_from_file_location(
-        "rlkube.runtime", root / "runtime" / "__init__.py", submodule_search_locations=[str(root / "runtime")]
-    )
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["rlkube.runtime"] = mod
-    spec.loader.exec_module(mod)
-
-
-_import_rlkube()
+_spec = importlib.util.spec_from_file_location("rlkube_bench_common", Path(__file__).with_name("_common.py"))
+assert _spec is not None and _spec.loader is not None
+common = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(common)
+common.import_rlkube()
 
 import torch  # noqa: E402
 
+from rlkube.runtime.models.roofline import model_cost, rollout_bound  # noqa: E402
 from rlkube.runtime.models.tiny import make_qwen2_like, tiny_qwen2_config  # noqa: E402
 from rlkube.runtime.rollout.base import RolloutRequest, SamplingParams  # noqa: E402
 from rlkube.runtime.rollout.hf import HFEngine, teacher_forced_logprobs  # noqa: E402
@@ -63,43 +50,6 @@ from rlkube.runtime.rollout.hf import HFEngine, teacher_forced_logprobs  # noqa:
 def sync(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.synchronize(dev)
-
-
-def copy_bandwidth(dev: torch.device, nbytes: int, iters: int = 20) -> dict[str, float]:
-    """Measured D2D copy: bytes copied per second (``copy``) and read+write bytes per second (``rw``)."""
-    src = torch.empty(nbytes, dtype=torch.uint8, device=dev)
-    dst = torch.empty_like(src)
-    for _ in range(3):
-        dst.copy_(src)
-    sync(dev)
-    t = time.perf_counter()
-    for _ in range(iters):
-        dst.copy_(src)
-    sync(dev)
-    dt = (time.perf_counter() - t) / iters
-    del src, dst
-    return {"copy_GBps": nbytes / dt / 1e9, "rw_GBps": 2 * nbytes / dt / 1e9, "bytes": float(nbytes)}
-
-
-def model_bytes(model: Any) -> dict[str, float]:
-    cfg = model.config
-    itemsize = next(model.parameters()).element_size()
-    params = {n: p for n, p in model.named_parameters()}
-    total = sum(p.numel() for p in params.values())
-    read = sum(p.numel() for n, p in params.items() if "embed_tokens" not in n or cfg.tie_word_embeddings)
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv_per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * head_dim * itemsize
-    return {
-        "parameters": float(total),
-        "weight_bytes_read_per_step": float(read * itemsize),
-        "kv_bytes_per_token": float(kv_per_token),
-    }
-
-
-def bound(mb: dict[str, float], batch: int, prompt_len: int, new_tokens: int, bw_GBps: float) -> float:
-    mean_ctx = prompt_len + new_tokens / 2
-    step_bytes = mb["weight_bytes_read_per_step"] + batch * mb["kv_bytes_per_token"] * mean_ctx
-    return batch / (step_bytes / (bw_GBps * 1e9))
 
 
 def reset_peak(dev: torch.device) -> None:
@@ -112,64 +62,109 @@ def peak_gib(dev: torch.device) -> float | None:
     return torch.cuda.max_memory_allocated(dev) / 2**30 if dev.type == "cuda" else None
 
 
-def run_engine(
-    model: Any,
-    prompts: list[list[int]],
-    args: argparse.Namespace,
-    dev: torch.device,
-    cuda_graphs: bool | None,
-    compile_step: bool | str = "auto",
-) -> dict[str, Any]:
-    n_seq = len(prompts) * args.samples
+def shape_lengths(shape: str, args: argparse.Namespace, seed: int) -> tuple[list[int], list[int], int]:
+    """(prompt length per prompt, response length per sample, samples per prompt)."""
+    if shape == "b64":
+        p, s = args.prompts, args.samples
+        return [args.prompt_len] * p, [args.new_tokens] * (p * s), s
+    if shape == "b512":
+        p, s = args.rl_prompts, args.samples
+        return [args.prompt_len] * p, [args.new_tokens] * (p * s), s
+    if shape == "rl":
+        p_lens, r_lens = common.draw_rl_lengths(
+            args.rl_prompts, args.samples, args.rl_max_response, seed=seed
+        )
+        if args.smoke:
+            p_lens = [max(2, x // 16) for x in p_lens]
+        return p_lens, r_lens, args.samples
+    raise ValueError(shape)
+
+
+def make_requests(
+    tag: str, vocab: int, p_lens: list[int], r_lens: list[int], samples: int, seed: int
+) -> list[Any]:
+    """One request per sample (its own ``max_tokens``); a prompt's samples share one prefill."""
+    g = torch.Generator().manual_seed(seed)
+    reqs = []
+    for i, plen in enumerate(p_lens):
+        prompt = torch.randint(4, vocab, (plen,), generator=g).tolist()
+        for k in range(samples):
+            n = r_lens[i * samples + k]
+            params = SamplingParams(
+                n=1, temperature=1.0, top_p=1.0, max_tokens=n, seed=seed * 100003 + i * 97 + k
+            )
+            reqs.append(RolloutRequest(f"{tag}{i}_{k}", prompt, params))
+    return reqs
+
+
+def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
+    p_lens, r_lens, samples = shape_lengths(shape, args, seed=1)
+    warm_p, warm_r, _ = shape_lengths(shape, args, seed=2)  # same distribution, other draws
+    vocab = model.config.vocab_size
+    batch = len(r_lens)
+    max_seq = max(max(p_lens) + max(r_lens), max(warm_p) + max(warm_r)) + 1
+    t0 = time.perf_counter()
     engine = HFEngine(
         model=model,
-        num_slots=n_seq,
-        max_seq_len=args.prompt_len + args.new_tokens + 1,
+        num_slots=batch,
+        max_seq_len=max_seq,
         sync_every=args.sync_every,
-        cuda_graphs=cuda_graphs,
-        compile_step=compile_step,
+        compile_step={"auto": "auto", "on": True, "off": False}[args.compile],
+        kernels={"auto": "auto", "on": True, "off": False}[args.kernels],
     )
     try:
-        params = SamplingParams(
-            n=args.samples, temperature=1.0, top_p=1.0, max_tokens=args.new_tokens, seed=1
-        )
-        reqs = [RolloutRequest(f"p{i}", p, params) for i, p in enumerate(prompts)]
-        t = time.perf_counter()
-        engine.generate(reqs)  # warm-up: captures the CUDA graph of every KV bucket
-        warm_s = time.perf_counter() - t
+        engine.generate(make_requests("w", vocab, warm_p, warm_r, samples, seed=2))  # compiles, captures
+        sync(dev)
+        first_call_s = time.perf_counter() - t0
+        d = engine.decoder
+        d.steps_by_bucket.clear()
+        moved0, prefill0 = d.rows_moved, d.prefill_forwards
+        reqs = make_requests("q", vocab, p_lens, r_lens, samples, seed=1)
         reset_peak(dev)
         sync(dev)
         t = time.perf_counter()
-        out = engine.generate([RolloutRequest(f"q{i}", p, params) for i, p in enumerate(prompts)])
+        out = engine.generate(reqs)
         sync(dev)
         dt = time.perf_counter() - t
         tokens = sum(len(c.token_ids) for c in out)
-        # Trust check: the engine's logprobs vs a teacher-forced forward of the same model.
-        errs = []
-        for c in out[:: max(1, len(out) // 2)][:2]:
+        assert tokens == sum(r_lens), (tokens, sum(r_lens))
+        errs = []  # trust check: the engine's logprobs vs a teacher-forced forward of the same model
+        for c in (out[0], out[len(out) // 2], out[-1]):
             tf = teacher_forced_logprobs(model, c.prompt_ids, c.token_ids)
             errs.append(float((tf - torch.tensor(c.logprobs)).abs().max()))
         return {
+            "batch": batch,
+            "prompts": len(p_lens),
+            "samples_per_prompt": samples,
+            "prompt_len": common.spread(p_lens),
+            "response_len": common.spread(r_lens),
             "tokens": tokens,
             "seconds": dt,
             "tokens_per_s": tokens / dt,
-            "warmup_seconds": warm_s,
+            "first_call_seconds": first_call_s,
             "peak_memory_gib": peak_gib(dev),
-            "cuda_graphs": engine.decoder.use_graphs,
-            "compile_step": compile_step,
-            "compiled": engine.decoder.compiled,
-            "compile_error": (engine.decoder.compile_error or "")[-3000:] or None,
-            "graphs_captured": len(engine.decoder._graphs),
+            "cuda_graphs": d.use_graphs,
+            "compiled": d.compiled,
+            "compile_error": (d.compile_error or "")[-3000:] or None,
+            "kernels": d.kernels_used,
+            "kernel_errors": d.kernel_errors,
+            "graphs_captured": len(d._graphs),
+            "steps_by_bucket": dict(sorted(d.steps_by_bucket.items())),
+            "rows_moved": d.rows_moved - moved0,
+            "prefill_forwards": d.prefill_forwards - prefill0,
             "sync_every": engine.sync_every,
             "logprob_max_abs_err_vs_teacher_forced": max(errs),
+            "_lengths": (p_lens, r_lens, samples),
         }
     finally:
         engine.shutdown()
 
 
-def run_generate(
-    model: Any, prompts: list[list[int]], args: argparse.Namespace, dev: torch.device
-) -> dict[str, Any]:
+def run_generate(model: Any, args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
+    """``transformers.generate`` on the b64 shape (same prompts length, same new tokens)."""
+    g = torch.Generator().manual_seed(0)
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(4, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
     ids = torch.tensor([p for p in prompts for _ in range(args.samples)], device=dev)
     kw = dict(do_sample=True, temperature=1.0, top_p=1.0, top_k=0, pad_token_id=0, eos_token_id=None)
     with torch.no_grad():
@@ -184,8 +179,30 @@ def run_generate(
     return {"tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt, "peak_memory_gib": peak_gib(dev)}
 
 
+def profile_decode(model: Any, args: argparse.Namespace, dev: torch.device, out_dir: Path, size: str) -> None:
+    """Kernel table of the b64 shape's decode (graph replays included) -> rollout-profile.txt."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = HFEngine(model=model, num_slots=args.prompts * args.samples, max_seq_len=args.prompt_len + 129)
+    try:
+        p_lens, r_lens = [args.prompt_len] * args.prompts, [128] * (args.prompts * args.samples)
+        vocab = model.config.vocab_size
+        engine.generate(make_requests("p", vocab, p_lens, r_lens, args.samples, seed=3))
+        sync(dev)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            engine.generate(make_requests("r", vocab, p_lens, r_lens, args.samples, seed=4))
+            sync(dev)
+        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=70)
+        with open(out_dir / "rollout-profile.txt", "a") as f:
+            f.write(
+                f"===== {size}: b64 decode, 128 new tokens, kernels {engine.decoder.kernels_used}\n{table}\n"
+            )
+    finally:
+        engine.shutdown()
+
+
 def bench_size(
-    size: str, args: argparse.Namespace, dev: torch.device, bw: dict[str, float]
+    size: str, args: argparse.Namespace, dev: torch.device, ceil: dict[str, Any]
 ) -> dict[str, Any]:
     dtype = torch.float32 if args.smoke else torch.bfloat16
     if args.smoke:
@@ -195,37 +212,40 @@ def bench_size(
         model = AutoModelForCausalLM.from_config(tiny_qwen2_config(64), dtype=dtype).to(dev).eval()
     else:
         model = make_qwen2_like(size, dtype=dtype, device=dev)
-    vocab = model.config.vocab_size
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(4, vocab, (args.prompt_len,), generator=g).tolist() for _ in range(args.prompts)]
-    mb = model_bytes(model)
-    batch = args.prompts * args.samples
-    res: dict[str, Any] = {"size": "tiny" if args.smoke else size, "dtype": str(dtype), **mb}
-    res["bound_tokens_per_s_rw"] = bound(mb, batch, args.prompt_len, args.new_tokens, bw["rw_GBps"])
-    res["bound_tokens_per_s_copy"] = bound(mb, batch, args.prompt_len, args.new_tokens, bw["copy_GBps"])
-    # "hf_engine" is what a user gets (compile_step="auto": compiled on CUDA, eager fallback);
-    # "hf_engine_eager" is the same engine without torch.compile, measured in the same run.
-    modes = {"on": True, "off": False, "auto": "auto", "both": "auto"}
-    try:
-        res["hf_engine"] = run_engine(model, prompts, args, dev, None, modes[args.compile])
-    except Exception as exc:  # keep the run useful: report, then try without graphs
-        res["hf_engine_error"] = "".join(traceback.format_exception_only(exc)).strip()
-        res["hf_engine"] = run_engine(model, prompts, args, dev, cuda_graphs=False, compile_step=False)
-    if args.compile == "both" and res["hf_engine"]["compiled"]:
-        res["hf_engine_eager"] = run_engine(model, prompts, args, dev, None, False)
-        res["compiled_speedup_vs_eager"] = (
-            res["hf_engine"]["tokens_per_s"] / res["hf_engine_eager"]["tokens_per_s"]
-        )
-    if not args.skip_generate:
-        res["generate"] = run_generate(model, prompts, args, dev)
-        res["speedup_vs_generate"] = res["hf_engine"]["tokens_per_s"] / res["generate"]["tokens_per_s"]
-        res["generate_fraction_of_bound_rw"] = res["generate"]["tokens_per_s"] / res["bound_tokens_per_s_rw"]
-        res["generate_fraction_of_bound_copy"] = (
-            res["generate"]["tokens_per_s"] / res["bound_tokens_per_s_copy"]
-        )
-    tps = res["hf_engine"]["tokens_per_s"]
-    res["fraction_of_bound_rw"] = tps / res["bound_tokens_per_s_rw"]
-    res["fraction_of_bound_copy"] = tps / res["bound_tokens_per_s_copy"]
+    cost = model_cost(model.config, dtype_bytes=torch.finfo(dtype).bits // 8)
+    res: dict[str, Any] = {
+        "size": "tiny" if args.smoke else size,
+        "dtype": str(dtype),
+        "cost": cost.as_dict(),
+    }
+    read_bps, flops = ceil["read_bandwidth_gbs"] * 1e9, ceil["gemm_tflops"] * 1e12
+    for shape in args.shapes.split(","):
+        try:
+            r = run_engine(model, shape, args, dev)
+        except Exception as exc:  # keep the run useful: report, go on
+            res[shape] = {"error": f"{type(exc).__name__}: {exc}", "trace": traceback.format_exc()[-3000:]}
+            continue
+        p_lens, r_lens, samples = r.pop("_lengths")
+        per_sample_p = [p for p in p_lens for _ in range(samples)]
+        b = rollout_bound(cost, per_sample_p, r_lens, read_bps, flops, distinct_prompts=len(p_lens))
+        r["bound"] = b
+        r["fraction_of_bound"] = b["bound_seconds"] / r["seconds"]
+        # the same bound with the KV and logits left out: what reading the weights alone allows
+        r["weights_only_tokens_per_s"] = len(r_lens) / (cost.weight_bytes_per_step / read_bps)
+        res[shape] = r
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+    if not args.skip_generate and "b64" in args.shapes.split(",") and "error" not in res.get("b64", {}):
+        gen = run_generate(model, args, dev)
+        b = res["b64"]["bound"]
+        gen["fraction_of_bound"] = gen["tokens_per_s"] / b["bound_tokens_per_s"]
+        res["generate_b64"] = gen
+        res["speedup_vs_generate_b64"] = res["b64"]["tokens_per_s"] / gen["tokens_per_s"]
+    if args.profile and dev.type == "cuda":
+        try:
+            profile_decode(model, args, dev, Path(os.environ.get("OUT", ".")), size)
+        except Exception as exc:
+            res["profile_error"] = f"{type(exc).__name__}: {exc}"
     del model
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -233,27 +253,28 @@ def bench_size(
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--sizes", default="0.5b,1.5b")
+    ap.add_argument("--shapes", default="b64,b512,rl")
     ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--rl-prompts", type=int, default=64)
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--rl-max-response", type=int, default=1024)
     ap.add_argument("--sync-every", type=int, default=None)
-    ap.add_argument(
-        "--compile",
-        choices=["auto", "on", "off", "both"],
-        default="both",
-        help="decode-step torch.compile: auto/on/off, or both (auto, then eager for comparison)",
-    )
+    ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--kernels", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--skip-generate", action="store_true")
-    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU (or GPU), seconds")
+    ap.add_argument("--profile", action="store_true", help="kernel table of the b64 decode (GPU)")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, seconds")
     args = ap.parse_args(argv)
     if args.smoke:
-        args.prompts, args.samples, args.prompt_len, args.new_tokens = 2, 2, 8, 16
+        args.prompts, args.rl_prompts, args.samples, args.prompt_len, args.new_tokens = 2, 3, 2, 8, 16
+        args.rl_max_response = 40
         torch.set_num_threads(1)
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    bw = copy_bandwidth(dev, (64 << 20) if args.smoke or dev.type == "cpu" else (1 << 30))
+    dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    ceil = common.ceilings(dev, args.smoke)
     import transformers
 
     report: dict[str, Any] = {
@@ -261,23 +282,36 @@ def main(argv: list[str] | None = None) -> int:
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "transformers": transformers.__version__,
-        "batch": args.prompts * args.samples,
-        "prompts": args.prompts,
-        "samples_per_prompt": args.samples,
-        "prompt_len": args.prompt_len,
-        "new_tokens": args.new_tokens,
-        "copy_bandwidth": bw,
-        "results": [
-            bench_size(s, args, dev, bw) for s in (["tiny"] if args.smoke else args.sizes.split(","))
-        ],
+        "read_bandwidth_gbs": ceil["read_bandwidth_gbs"],
+        "gemm_tflops": ceil["gemm_tflops"],
+        "copy_read_write_gbs": ceil["copy_read_write_gbs"],
+        "ceilings": ceil["detail"],
+        "args": vars(args),
+        "results": [],
     }
-    text = json.dumps(report, indent=2)
-    print(text)
     out_dir = os.environ.get("OUT")
-    if out_dir:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        (Path(out_dir) / "rollout-gpu.json").write_text(text + "\n")
-    return 0
+    for size in ["tiny"] if args.smoke else args.sizes.split(","):
+        report["results"].append(bench_size(size, args, dev, ceil))
+        if out_dir:  # after every size, so a run cut short still leaves its results
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            (Path(out_dir) / "rollout-gpu.json").write_text(json.dumps(report, indent=2) + "\n")
+    print(json.dumps(report, indent=2))
+    for r in report["results"]:  # the short table last (the device tool returns the output's end)
+        for shape in args.shapes.split(","):
+            x = r.get(shape, {})
+            if "fraction_of_bound" in x:
+                print(
+                    f"{r['size']:>5} {shape:>5} batch {x['batch']:>4}: {x['tokens_per_s']:>9.0f} tok/s, "
+                    f"bound {x['bound']['bound_tokens_per_s']:>9.0f} -> {100 * x['fraction_of_bound']:.1f}%, "
+                    f"first call {x['first_call_seconds']:.1f} s, kernels {x['kernels']}"
+                )
+            elif x:
+                print(f"{r['size']} {shape}: {x.get('error')}")
+    return (
+        0
+        if all("error" not in r.get(s, {}) for r in report["results"] for s in args.shapes.split(","))
+        else 1
+    )
 
 
 if __name__ == "__main__":

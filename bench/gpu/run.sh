@@ -3,7 +3,7 @@
 # H200 with torch but no rlkube install, no Ray, no vLLM, no network).
 #   bash bench/gpu/run.sh [weights] [rollout] [trainer] [ipc]   (default: the first three)
 # Extra arguments per bench: WEIGHTS_ARGS, ROLLOUT_ARGS, TRAINER_ARGS, IPC_ARGS (e.g. ROLLOUT_ARGS="--sizes 0.5b").
-# Results: $OUT/<name>.json when OUT is set (the device tool), else bench/results/.
+# Results: $OUT/<name>.json when OUT is set (the device tool), else bench/results/, and gpu-bounds.png.
 set -uo pipefail
 top=$(cd "$(dirname "$0")/../.." && pwd)
 export PYTHONSAFEPATH=1 PYTHONUNBUFFERED=1
@@ -12,19 +12,13 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 out=${OUT:-$top/bench/results}
 mkdir -p "$out"
 
-# rlkube is one import root mapped from several folders: without an install, link them.
-if ! python3 -c 'import rlkube.runtime' 2>/dev/null; then
-  site=$(mktemp -d)/site
-  mkdir -p "$site/rlkube"
-  ln -s "$top/runtime" "$site/rlkube/runtime"
-  ln -s "$top/api" "$site/rlkube/api"
-  ln -s "$top/operator" "$site/rlkube/operator"
-  export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
-fi
+# No rlkube install is needed: each benchmark maps rlkube onto this checkout itself, lazily (the GPU
+# machine has no pydantic, so rlkube.api must never be imported there).
+export PYTHONPATH=${PYTHONPATH:-}
 # Wheels carried to the machine (e.g. trl for the trainer comparison) go into a private target.
 if ls "$top"/.whl/*.whl >/dev/null 2>&1; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/whl-site "$top"/.whl/*.whl \
-    && export PYTHONPATH="$PYTHONPATH:/tmp/whl-site"
+    && export PYTHONPATH="${PYTHONPATH:+$PYTHONPATH:}/tmp/whl-site"
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
 
@@ -33,10 +27,12 @@ for bench in ${*:-weights rollout trainer}; do
   echo "=== bench-gpu: $bench ($(date -u +%H:%M:%S))"
   case $bench in
     weights) python3 "$top/bench/gpu/weights_gpu.py" --out "$out/weights-gpu.json" ${WEIGHTS_ARGS:-} || status=1 ;;
-    rollout) OUT=$out python3 "$top/bench/gpu/rollout_gpu.py" ${ROLLOUT_ARGS:-} > "$out/rollout-gpu.stdout.json" || status=1 ;;
-    trainer) OUT=$out python3 "$top/bench/gpu/trainer_gpu.py" ${TRAINER_ARGS:-} > "$out/trainer-gpu.stdout.json" || status=1 ;;
-    ipc) OUT=$out python3 "$top/bench/gpu/ipc_gpu.py" ${IPC_ARGS:-} > "$out/ipc-gpu.stdout.json" || status=1 ;;
+    rollout) OUT=$out python3 "$top/bench/gpu/rollout_gpu.py" ${ROLLOUT_ARGS:-} > "$out/rollout-gpu.log" || status=1 ;;
+    trainer) OUT=$out python3 "$top/bench/gpu/trainer_gpu.py" ${TRAINER_ARGS:-} > "$out/trainer-gpu.log" || status=1 ;;
+    ipc) OUT=$out python3 "$top/bench/gpu/ipc_gpu.py" ${IPC_ARGS:-} > "$out/ipc-gpu.log" || status=1 ;;
     *) echo "unknown bench $bench"; status=2 ;;
   esac
 done
+# Each fraction of its bound, with the targets (needs matplotlib; the GPU image has it).
+python3 "$top/bench/gpu/plot_bounds.py" "$out" || true
 exit $status

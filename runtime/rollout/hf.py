@@ -1,8 +1,10 @@
 """The hf rollout engine: plain PyTorch/transformers, runs anywhere, the reference engine.
 
 A background thread drives ``StaticDecoder`` over a fixed set of slots: it admits waiting samples
-into free slots (prefill), runs ``sync_every`` decode steps without looking at the host, then
-collects finished slots. ``submit``/``poll`` are therefore truly asynchronous; ``generate`` is
+into free slots (one batched prefill per round, one forward per distinct prompt), keeps the live
+samples in the lowest rows (moving a sample down when that lets steps run over a smaller batch
+bucket), runs up to ``sync_every`` decode steps without looking at the host, then collects
+finished slots. ``submit``/``poll`` are therefore truly asynchronous; ``generate`` is
 submit-and-wait. ``abort_all`` pauses the loop at its next sync point and hands back every
 unfinished sample with the tokens it has; ``resume`` re-prefills prompt + those tokens (under
 whatever weights are loaded now) and continues with the remaining budget.
@@ -33,7 +35,7 @@ from rlkube.runtime.rollout.base import (
     expand_samples,
     sample_seed,
 )
-from rlkube.runtime.rollout.hf_decode import CompileSetting, StaticDecoder, counter_uniform
+from rlkube.runtime.rollout.hf_decode import CompileSetting, KernelSetting, StaticDecoder
 from rlkube.runtime.rollout.registry import model_config_overrides, spec_dtype
 
 if TYPE_CHECKING:
@@ -52,6 +54,7 @@ class _Work:
     version: int = 0  # weights version of this segment
     slot: int = -1
     max_pos: int = 0  # host-side upper bound of the slot's position
+    remaining: int = 0  # host-side upper bound of the decode steps this segment still needs
 
 
 def _key_for(params: SamplingParams, sample_index: int, offset: int, rng: torch.Generator) -> int:
@@ -107,6 +110,7 @@ class HFEngine(ThreadedEngine):
         sync_every: int | None = None,
         cuda_graphs: bool | None = None,
         compile_step: CompileSetting = "auto",
+        kernels: KernelSetting = "auto",
         max_stop_ids: int = 8,
         seed: int = 0,
         version: int = 0,
@@ -133,8 +137,9 @@ class HFEngine(ThreadedEngine):
             max_stop_ids=max_stop_ids,
             use_cuda_graphs=cuda_graphs,
             compile_step=compile_step,
+            kernels_setting=kernels,
         )
-        self.sync_every = sync_every or (8 if self.device.type == "cuda" else 4)
+        self.sync_every = sync_every or (16 if self.device.type == "cuda" else 4)
         self._version = version
         self.last_load_stats: DirectCopyStats | None = None
         from rlkube.runtime.weights.direct import DirectCopier
@@ -163,7 +168,10 @@ class HFEngine(ThreadedEngine):
             delta_weights=True,
             distributed_weights=True,
             direct_weights=True,
-            notes="static KV cache; CUDA graphs (and torch.compile) on CUDA; weights updated in place",
+            notes=(
+                "static KV cache, batch buckets; on GPUs CUDA graphs, torch.compile and Triton "
+                "decode kernels (self-checked); weights updated in place"
+            ),
         )
 
     @property
@@ -392,7 +400,9 @@ class HFEngine(ThreadedEngine):
                             return
                         self._busy = True
                         admit = self._take_admissions()
+                        moves = self._plan_compaction()
                     try:
+                        self._apply_moves(moves)
                         self._admit(admit)
                         self._run_chunk()
                     finally:
@@ -417,60 +427,98 @@ class HFEngine(ThreadedEngine):
             out.append(w)
         return out
 
+    def _plan_compaction(self) -> list[tuple[int, int]]:
+        """Move live samples above the smallest bucket that holds them all into free rows below it.
+
+        Called with the lock held, after admissions (which take the lowest free rows). Returns
+        ``(from, to)`` row pairs for ``_apply_moves``; ``_slots`` already shows the new rows.
+        """
+        live = [i for i, w in enumerate(self._slots) if w is not None]
+        if not live:
+            return []
+        nb = self.decoder.bucket_for(len(live))
+        if live[-1] < nb:
+            return []
+        free = [i for i in range(nb) if self._slots[i] is None]
+        moves = list(zip([i for i in live if i >= nb], free, strict=False))
+        for src, dst in moves:
+            w = self._slots[src]
+            assert w is not None
+            self._slots[dst], self._slots[src] = w, None
+            w.slot = dst
+        return moves
+
+    def _apply_moves(self, moves: list[tuple[int, int]]) -> None:
+        if moves:
+            upto = max(w.max_pos for w in self._slots if w is not None) + 1
+            self.decoder.move_rows([a for a, _ in moves], [b for _, b in moves], upto)
+
     def _admit(self, items: list[_Work]) -> None:
-        """Prefill new samples (one forward per distinct prefix) and sample their first token."""
+        """Prefill new samples (one forward per distinct prefix, all of them batched) and sample
+        their first token."""
         if not items:
             return
-        d, s = self.decoder, self.decoder.state
+        d, s, dev = self.decoder, self.decoder.state, self.device
         groups: dict[tuple[int, ...], list[_Work]] = {}
         for w in items:
             groups.setdefault(tuple(w.prefix), []).append(w)
-        for prefix, ws in groups.items():
-            slots = [w.slot for w in ws]
-            logits = d.prefill(list(prefix), slots)
-            n = len(ws)
-            dev = self.device
-            idx = torch.tensor(slots, dtype=torch.long, device=dev)
-            temp = torch.tensor([w.params.temperature for w in ws], dtype=torch.float32, device=dev)
-            top_p = torch.tensor([w.params.top_p for w in ws], dtype=torch.float32, device=dev)
-            keys = torch.tensor([w.key for w in ws], dtype=torch.long, device=dev)
-            u = counter_uniform(keys, torch.zeros(n, dtype=torch.long, device=dev))
-            tok, lp = d.sample(logits.expand(n, -1), temp, top_p, u, bool((top_p < 1).any()))
-            stops = torch.full((n, s.stop_ids.shape[1]), -1, dtype=torch.long)
-            for j, w in enumerate(ws):
-                ids = w.params.stop_token_ids
-                stops[j, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-            stops = stops.to(dev)
-            max_new = torch.tensor([w.params.max_tokens for w in ws], dtype=torch.long, device=dev)
-            hit = (stops == tok[:, None]).any(-1)
-            s.stop_ids[idx] = stops
-            s.temperature[idx] = temp
-            s.top_p[idx] = top_p
-            s.key[idx] = keys
-            s.max_new[idx] = max_new
-            s.out_tok[idx, 0] = tok
-            s.out_lp[idx, 0] = lp
-            s.n_gen[idx] = 1
-            s.cur_tok[idx] = tok
-            s.pos[idx] = len(prefix)
-            s.stopped[idx] = hit
-            s.running[idx] = ~hit & (max_new > 1)
-            for w in ws:
-                w.max_pos = len(prefix)
+        prefixes = list(groups)
+        logits = d.prefill([list(p) for p in prefixes], [[w.slot for w in groups[p]] for p in prefixes])
+        works = [w for p in prefixes for w in groups[p]]
+        src = torch.tensor(
+            [g for g, p in enumerate(prefixes) for _ in groups[p]], dtype=torch.long, device=dev
+        )
+        idx = torch.tensor([w.slot for w in works], dtype=torch.long, device=dev)
+        temp = torch.tensor([w.params.temperature for w in works], dtype=torch.float32, device=dev)
+        top_p_host = [w.params.top_p for w in works]
+        top_p = torch.tensor(top_p_host, dtype=torch.float32, device=dev)
+        keys = torch.tensor([w.key for w in works], dtype=torch.long, device=dev)
+        zeros = torch.zeros(len(works), dtype=torch.long, device=dev)
+        tok, lp = d.sample(logits[src], temp, top_p, keys, zeros, any(t < 1 for t in top_p_host))
+        stops = torch.full((len(works), s.stop_ids.shape[1]), -1, dtype=torch.long)
+        for j, w in enumerate(works):
+            ids = w.params.stop_token_ids
+            stops[j, : len(ids)] = torch.tensor(ids, dtype=torch.long)
+        stops = stops.to(dev)
+        max_new = torch.tensor([w.params.max_tokens for w in works], dtype=torch.long, device=dev)
+        plen = torch.tensor([len(w.prefix) for w in works], dtype=torch.long, device=dev)
+        hit = (stops == tok[:, None]).any(-1)
+        s.stop_ids[idx] = stops
+        s.temperature[idx] = temp
+        s.top_p[idx] = top_p
+        s.key[idx] = keys
+        s.max_new[idx] = max_new
+        s.out_tok[idx, 0] = tok
+        s.out_lp[idx, 0] = lp
+        s.n_gen[idx] = 1
+        s.cur_tok[idx] = tok
+        s.pos[idx] = plen
+        s.stopped[idx] = hit
+        s.running[idx] = ~hit & (max_new > 1)
+        for w in works:
+            w.max_pos = len(w.prefix)
+            w.remaining = w.params.max_tokens - 1
         d.any_top_p = any(w is not None and w.params.top_p < 1 for w in self._slots)
 
     def _run_chunk(self) -> None:
+        """Up to ``sync_every`` decode steps over the smallest batch bucket holding the live rows;
+        never more steps than the longest remaining budget (no idle steps at the end)."""
         active = [w for w in self._slots if w is not None]
         if not active:
             return
         d = self.decoder
-        for _ in range(self.sync_every):
+        nb = d.bucket_for(max(w.slot for w in active) + 1)
+        steps = min(self.sync_every, max(w.remaining for w in active))
+        max_pos = max(w.max_pos for w in active)
+        done = 0
+        for j in range(steps):
             if self._pause:
                 break
-            max_pos = max(w.max_pos for w in active)
-            d.decode(d.kv_len_for(max_pos))
-            for w in active:
-                w.max_pos = min(w.max_pos + 1, len(w.prefix) + w.params.max_tokens - 1, d.S - 1)
+            d.decode(nb, d.kv_len_for(min(max_pos + j, d.S - 1)))
+            done += 1
+        for w in active:
+            w.max_pos = min(w.max_pos + done, len(w.prefix) + w.params.max_tokens - 1, d.S - 1)
+            w.remaining = max(0, w.remaining - done)
 
     def _collect_finished(self) -> None:
         slots = [i for i, w in enumerate(self._slots) if w is not None]
@@ -487,8 +535,9 @@ class HFEngine(ThreadedEngine):
         idx = torch.tensor(slots, dtype=torch.long, device=self.device)
         n_gen = s.n_gen[idx].tolist()
         stopped = s.stopped[idx].tolist()
-        toks = s.out_tok[idx].tolist()
-        lps = s.out_lp[idx].tolist()
+        width = max(n_gen, default=0)  # read only the generated columns, not the whole budget
+        toks = s.out_tok[idx, :width].tolist()
+        lps = s.out_lp[idx, :width].tolist()
         s.running[idx] = False
         out = []
         for j, slot in enumerate(slots):

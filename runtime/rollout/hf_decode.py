@@ -1,22 +1,34 @@
 """A fast batched decoder for HF Qwen2/Llama-style causal LMs: static KV cache, on-device sampling.
 
 Why not ``model.generate``: it re-plans the cache, syncs with the host every token and launches
-hundreds of small kernels per step, which on an H200 leaves decode at well under 1% of its
+hundreds of small kernels per step, which on an H200 leaves decode at a few percent of its
 memory-bandwidth bound. Here a fixed set of *slots* (rows) shares one preallocated KV cache; a
 decode step is a pure function of device tensors (no host sync, no allocation), so on CUDA it is
-captured once per KV-length bucket as a CUDA graph and replayed; the host looks at finished flags
-only every ``sync_every`` steps. The forward reuses the HF module's own parameters (``nn.Linear``
-and norm weights). q/k/v and gate/up are fused once: the fused tensor becomes the storage and the
-HF modules' weights become views into it, so a weight update written into the HF parameters lands
-in the fused weights too (no re-copy, no second copy in memory) and captured graphs stay valid.
+captured once per *batch bucket* as a CUDA graph and replayed; the host looks at finished flags
+only every few steps.
 
-``compile_step="auto"`` compiles the per-layer decode function with torch.compile on CUDA
-(inductor fuses the norm, RoPE and SiLU chains the graph would otherwise launch one kernel each;
-one compile serves every layer) and falls back to eager, recording why, if compilation fails.
+- **Batch buckets**: the engine keeps live samples in the lowest rows (it moves a sample's KV
+  down when rows free up), and a step runs over the smallest bucket of rows that holds them, so
+  a batch whose samples finish at different lengths stops paying for the finished ones.
+- **Attention over each row's own length**: on GPUs a Triton flash-decoding kernel
+  (``kernels.decode_attention``) reads only the KV a row has, so mixed lengths do not pay for the
+  longest and the KV length is not part of the graph's key. Elsewhere (the CPU, or a kernel that
+  failed its start-up self-check) SDPA runs over a 128-aligned KV prefix bucket with a mask.
+- **Sampling in one pass**: Gumbel-max over the logits, token and raw log-probability from one
+  read of the vocabulary (a Triton kernel on GPUs; the same maths in PyTorch elsewhere). Top-p,
+  when a slot asks for it, adds a sort.
+- **Batched prefill**: one forward for every distinct prompt admitted together (right-padded, so
+  plain causal attention is exact for every real position); each prompt's KV goes to all of its
+  samples' slots: one prefill per prompt group, not per sample.
 
-Sampling is batched and counter-based: each slot has a 32-bit key (from the request seed) and the
-uniform for its ``i``-th token is a hash of (key, i), so a seeded sample is reproducible whatever
-else shares the batch. ``temperature == 0`` is greedy; top-p sorts only when some slot asks for it.
+The forward reuses the HF module's own parameters. q/k/v and gate/up are fused once: the fused
+tensor becomes the storage and the HF modules' weights become views into it, so a weight update
+written into the HF parameters lands in the fused weights too (no re-copy, no second copy in
+memory) and captured graphs stay valid.
+
+``compile_step="auto"`` compiles the two per-layer functions around attention with torch.compile on
+CUDA (inductor fuses the norm, RoPE and SiLU chains; one compile serves every layer and, after one
+recompile with a dynamic batch, every bucket) and falls back to eager, recording why, if it fails.
 Logprobs are raw ``log_softmax(logits)`` of the sampled token (see ``rollout.base``).
 """
 
@@ -25,37 +37,23 @@ from __future__ import annotations
 import logging
 import math
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-_M32 = 0xFFFFFFFF
+from rlkube.runtime.rollout import kernels
+
 log = logging.getLogger(__name__)
 CompileSetting = bool | str  # True, False or "auto" (compile on CUDA, eager elsewhere)
-
-
-def _fmix32(h: torch.Tensor) -> torch.Tensor:
-    """murmur3 finaliser on int64 tensors holding 32-bit values (wrapping multiply, masked)."""
-    h = h ^ (h >> 16)
-    h = (h * 0x85EBCA6B) & _M32
-    h = h ^ (h >> 13)
-    h = (h * 0xC2B2AE35) & _M32
-    return h ^ (h >> 16)
-
-
-def counter_uniform(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """Uniform [0, 1) float64 per row from (key, counter) int64 tensors; deterministic on any device."""
-    a = _fmix32((keys & _M32) ^ ((counters * 0x9E3779B9) & _M32))
-    b = _fmix32((a + 0x68E31DA4 + (keys >> 32)) & _M32)
-    return ((a >> 5).double() * 67108864.0 + (b >> 6).double()) / 9007199254740992.0
+KernelSetting = bool | str  # True (required), False (PyTorch only) or "auto" (on GPUs, if they self-check)
 
 
 @dataclass
 class SlotState:
-    """Device tensors describing every slot; the CUDA graph reads and writes these in place."""
+    """Device tensors describing every slot; the CUDA graphs read and write these in place."""
 
     cur_tok: torch.Tensor  # [B] int64 token to feed next
     pos: torch.Tensor  # [B] int64 position of cur_tok (= tokens in the KV cache before it)
@@ -71,6 +69,18 @@ class SlotState:
     out_lp: torch.Tensor  # [B, T] float32
 
 
+def batch_buckets(num_slots: int) -> list[int]:
+    """Row counts a step can run over: 8, 16, 24, 32, 48, 64, 96, ... (x2 and x1.5), and ``num_slots``."""
+    out = {num_slots}
+    p = 8
+    while p < num_slots:
+        out.add(p)
+        if p >= 16 and p * 3 // 2 < num_slots:
+            out.add(p * 3 // 2)
+        p *= 2
+    return sorted(out)
+
+
 class StaticDecoder:
     """Owns the KV cache and runs prefill / decode steps over ``num_slots`` rows."""
 
@@ -84,7 +94,9 @@ class StaticDecoder:
         max_stop_ids: int = 8,
         use_cuda_graphs: bool | None = None,
         compile_step: CompileSetting = False,
+        kernels_setting: KernelSetting = "auto",
         kv_bucket: int = 128,
+        max_prefill_tokens: int = 16384,
     ) -> None:
         cfg: Any = model.config
         if getattr(cfg, "use_sliding_window", False):
@@ -99,8 +111,11 @@ class StaticDecoder:
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads)
         self.group = self.n_heads // self.n_kv
         self.vocab = int(cfg.vocab_size)
+        self.eps = float(self.layers[0].input_layernorm.variance_epsilon)
         self.B = num_slots
+        self.buckets = batch_buckets(num_slots)
         self.kv_bucket = kv_bucket
+        self.max_prefill_tokens = max_prefill_tokens
         self.S = int(math.ceil(max_seq_len / kv_bucket) * kv_bucket)
         self.T = max_new_tokens
         dev = self.device
@@ -135,18 +150,74 @@ class StaticDecoder:
         self._rows = torch.arange(self.B, device=dev)
         self.any_top_p = False
         self.use_graphs = (dev.type == "cuda") if use_cuda_graphs is None else use_cuda_graphs
+        self._init_kernels(kernels_setting)
         if compile_step not in (True, False, "auto"):
             raise ValueError(f"compile_step must be True, False or 'auto', not {compile_step!r}")
         self.compiled = dev.type == "cuda" if compile_step == "auto" else bool(compile_step)
         self.compile_error: str | None = None  # traceback of a failed compile (then eager)
-        self._compiled_ok: set[int] = set()  # KV buckets whose compiled step has run once
-        # Only the per-layer function is compiled (sampling stays eager: inductor on CUDA cannot
-        # yet fuse the vocabulary-wide cumsum with its reductions, "NYI TritonSplitDimKernel").
-        self._layer_fn: Callable[..., torch.Tensor] = decode_layer
+        self._compiled_ok: set[tuple[int, int]] = set()  # (rows, kv_len) steps that ran compiled
+        self._pre_fn: Callable[..., Any] = layer_pre_attention
+        self._post_fn: Callable[..., Any] = layer_post_attention
         if self.compiled:
-            self._layer_fn = torch.compile(decode_layer)  # the KV length goes dynamic at bucket 2
-        self._graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+            self._pre_fn = torch.compile(layer_pre_attention)
+            self._post_fn = torch.compile(layer_post_attention)
+        self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
+        # host-side counters (benchmarks and tests read them): steps per batch bucket, rows moved
+        self.steps_by_bucket: dict[int, int] = {}
+        self.rows_moved = 0
+        self.prefill_forwards = 0
+
+    # ---- kernels ---------------------------------------------------------------------------
+    def _init_kernels(self, setting: KernelSetting) -> None:
+        """Triton attention and sampling where they run and agree with their references."""
+        if setting not in (True, False, "auto"):
+            raise ValueError(f"kernels must be True, False or 'auto', not {setting!r}")
+        self.kernel_errors: dict[str, str] = {}
+        self._attention: Any = None
+        self._sampler: Any = None
+        want = setting is True or (setting == "auto" and self.device.type == "cuda")
+        if not want:
+            return
+        if not kernels.HAVE_TRITON:
+            self.kernel_errors["triton"] = "triton is not importable"
+        else:
+            try:
+                att = kernels.TritonDecodeAttention(
+                    self.B, self.n_kv, self.group, self.head_dim, self.S, self.device
+                )
+                err = kernels.self_check(
+                    "attention", att, self.device, rows=min(self.B, 8), n_kv=self.n_kv,
+                    group=self.group, d=self.head_dim, seq=min(self.S, 700), dtype=self.dtype,
+                )  # fmt: skip
+                if err is None:
+                    self._attention = att
+                else:
+                    self.kernel_errors["attention"] = err
+            except Exception as exc:
+                self.kernel_errors["attention"] = f"{type(exc).__name__}: {exc}"
+            try:
+                smp = kernels.TritonSampler(self.B, self.vocab, self.device)
+                err = kernels.self_check(
+                    "sample", smp, self.device, rows=min(self.B, 8), vocab=self.vocab, dtype=self.dtype
+                )
+                if err is None:
+                    self._sampler = smp
+                else:
+                    self.kernel_errors["sample"] = err
+            except Exception as exc:
+                self.kernel_errors["sample"] = f"{type(exc).__name__}: {exc}"
+        if setting is True and self.kernel_errors:
+            raise RuntimeError(f"decode kernels unavailable: {self.kernel_errors}")
+        for k, v in self.kernel_errors.items():
+            log.warning("decode kernel %s unavailable, using PyTorch: %s", k, v)
+
+    @property
+    def kernels_used(self) -> dict[str, str]:
+        return {
+            "attention": "triton" if self._attention is not None else "sdpa",
+            "sampling": "triton" if self._sampler is not None else "torch",
+        }
 
     # ---- weights ---------------------------------------------------------------------------
     def refresh_fused(self) -> None:
@@ -172,66 +243,84 @@ class StaticDecoder:
                     _bind_views(b, [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
                 _bind_views(gu, [m.gate_proj.weight, m.up_proj.weight])
 
-    # ---- model pieces ----------------------------------------------------------------------
-    @staticmethod
-    def _rms(x: torch.Tensor, norm: Any) -> torch.Tensor:
-        # torch's rms_norm (one fused kernel on CUDA instead of ~7) with fp32 accumulation; it
-        # differs from Qwen2RMSNorm only in rounding once before the weight multiply in bf16.
-        return F.rms_norm(x, (x.shape[-1],), norm.weight, norm.variance_epsilon)
+    def _layer_weights(self, i: int) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+        w, b, gu = self._fused[i]
+        layer = self.layers[i]
+        a, m = layer.self_attn, layer.mlp
+        pre = (layer.input_layernorm.weight, w, b)
+        post = (
+            a.o_proj.weight,
+            a.o_proj.bias,
+            layer.post_attention_layernorm.weight,
+            gu,
+            m.down_proj.weight,
+            m.down_proj.bias,
+        )
+        return pre, post
 
-    @staticmethod
-    def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-        # rotate_half(x) * sin == roll(x, D/2) * [-sin_1, sin_2]: 3 kernels instead of 6
-        return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
-
-    @staticmethod
-    def _add_linear(x: torch.Tensor, h: torch.Tensor, linear: Any) -> torch.Tensor:
-        return _residual_linear(x, h, linear.weight, linear.bias)
-
-    def _qkv(self, i: int, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        w, b, _ = self._fused[i]
-        qkv = F.linear(h, w, b)
-        nq, nk = self.n_heads * self.head_dim, self.n_kv * self.head_dim
-        return qkv[..., :nq], qkv[..., nq : nq + nk], qkv[..., nq + nk :]
-
-    def _mlp(self, i: int, h: torch.Tensor) -> torch.Tensor:
-        """The gated activation ``silu(gate) * up`` (the caller applies down_proj with the residual)."""
-        _, _, gu = self._fused[i]
-        g, u = F.linear(h, gu).chunk(2, dim=-1)
-        return F.silu(g) * u
-
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        return self.model.lm_head(self._rms(h, self.inner.norm)).float()
+    def _head(self, h: torch.Tensor) -> torch.Tensor:
+        """Logits in the model dtype (the sampler reads them once, in float32 inside)."""
+        return self.model.lm_head(
+            F.rms_norm(h, (h.shape[-1],), self.inner.norm.weight, self.inner.norm.variance_epsilon)
+        )
 
     # ---- prefill ---------------------------------------------------------------------------
     @torch.no_grad()
-    def prefill(self, prompt: list[int], slots: list[int]) -> torch.Tensor:
-        """Run ``prompt`` once, write its KV into every slot of ``slots``; return last-position logits."""
-        P = len(prompt)
-        if P == 0 or P >= self.S:
-            raise ValueError(f"prompt length {P} must be in [1, {self.S - 1}]")
-        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
-        x = self.inner.embed_tokens(ids)  # [1, P, H]
+    def prefill(self, prompts: Sequence[Sequence[int]], slot_groups: Sequence[Sequence[int]]) -> torch.Tensor:
+        """Run each prompt once and write its KV into every slot of its group.
+
+        Prompts go through together (right-padded to the longest of a chunk of at most
+        ``max_prefill_tokens`` padded tokens): causal attention never lets a real position see
+        the padding after it, so every real position's KV and the last position's logits are
+        exact. Returns last-position logits ``[len(prompts), V]`` in the model dtype.
+        """
+        if len(prompts) != len(slot_groups):
+            raise ValueError("one slot group per prompt")
+        for p in prompts:
+            if not 0 < len(p) < self.S:
+                raise ValueError(f"prompt length {len(p)} must be in [1, {self.S - 1}]")
+        out: list[torch.Tensor] = []
+        order = list(range(len(prompts)))
+        start = 0
+        while start < len(order):
+            end, longest = start, 0
+            while end < len(order):
+                longest2 = max(longest, len(prompts[order[end]]))
+                if end > start and longest2 * (end - start + 1) > self.max_prefill_tokens:
+                    break
+                longest, end = longest2, end + 1
+            chunk = order[start:end]
+            out.append(self._prefill_chunk([prompts[i] for i in chunk], [slot_groups[i] for i in chunk]))
+            start = end
+        return torch.cat(out)
+
+    def _prefill_chunk(self, prompts: list[Sequence[int]], groups: list[Sequence[int]]) -> torch.Tensor:
+        g, P, D, dev = len(prompts), max(len(p) for p in prompts), self.head_dim, self.device
+        self.prefill_forwards += 1
+        ids = torch.zeros(g, P, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
+        lens = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)
+        slot_idx = torch.tensor([s for grp in groups for s in grp], dtype=torch.long, device=dev)
+        src = torch.tensor([i for i, grp in enumerate(groups) for _ in grp], dtype=torch.long, device=dev)
+        x = self.inner.embed_tokens(ids.to(dev))  # [g, P, H]
         cos, sin = self.cos[:P], self.sin[:P]
-        idx = torch.tensor(slots, dtype=torch.long, device=self.device)
-        D = self.head_dim
-        for i, layer in enumerate(self.layers):
-            h = self._rms(x, layer.input_layernorm)
-            q, k, v = self._qkv(i, h)
-            q = self._rope(q.view(1, P, self.n_heads, D).transpose(1, 2), cos, sin)
-            k = self._rope(k.view(1, P, self.n_kv, D).transpose(1, 2), cos, sin)
-            v = v.view(1, P, self.n_kv, D).transpose(1, 2)
-            self.k_cache[i][idx, :, :P] = k
-            self.v_cache[i][idx, :, :P] = v
+        for i in range(len(self.layers)):
+            (norm1, w_qkv, b_qkv), post = self._layer_weights(i)
+            h = F.rms_norm(x, (x.shape[-1],), norm1, self.eps)
+            qkv = F.linear(h, w_qkv, b_qkv)
+            nq, nk = self.n_heads * D, self.n_kv * D
+            q = _rope(qkv[..., :nq].view(g, P, self.n_heads, D).transpose(1, 2), cos, sin)
+            k = _rope(qkv[..., nq : nq + nk].view(g, P, self.n_kv, D).transpose(1, 2), cos, sin)
+            v = qkv[..., nq + nk :].view(g, P, self.n_kv, D).transpose(1, 2)
+            self.k_cache[i][slot_idx, :, :P] = k[src]
+            self.v_cache[i][slot_idx, :, :P] = v[src]
             kk = k.repeat_interleave(self.group, dim=1)
             vv = v.repeat_interleave(self.group, dim=1)
             att = F.scaled_dot_product_attention(q, kk, vv, is_causal=True)
-            att = att.transpose(1, 2).reshape(1, P, self.n_heads * D)
-            x = self._add_linear(x, att, layer.self_attn.o_proj)
-            x = self._add_linear(
-                x, self._mlp(i, self._rms(x, layer.post_attention_layernorm)), layer.mlp.down_proj
-            )
-        return self._logits(x[:, -1])[0]
+            x = layer_post_attention(x, att.transpose(1, 2).reshape(g, P, self.n_heads * D), post, self.eps)
+        last = x[torch.arange(g, device=dev), lens - 1]
+        return self._head(last)
 
     # ---- sampling --------------------------------------------------------------------------
     def sample(
@@ -239,102 +328,99 @@ class StaticDecoder:
         logits: torch.Tensor,
         temperature: torch.Tensor,
         top_p: torch.Tensor,
-        u: torch.Tensor,
+        keys: torch.Tensor,
+        counters: torch.Tensor,
         use_top_p: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Sample one token per row of ``logits`` [N, V] fp32; return (token, raw logprob)."""
-        logprobs = torch.log_softmax(logits, dim=-1)
-        greedy = temperature <= 0
-        t = torch.where(greedy, torch.ones_like(temperature), temperature)
-        probs = torch.softmax(logits / t[:, None], dim=-1)
+        """One token per row of ``logits`` [N, V]; returns (token, raw logprob float32)."""
+        seeds = kernels.row_seeds(keys, counters)
         if use_top_p:
-            sp, order = probs.sort(dim=-1, descending=True)
-            csum = sp.cumsum(-1)
-            sp = sp.masked_fill(csum - sp > top_p[:, None], 0.0)
-            c = sp.cumsum(-1)
-            j = torch.searchsorted(c, (u * c[:, -1].double()).to(c.dtype)[:, None], right=True)
-            j = j.clamp_(max=logits.shape[-1] - 1)
-            sampled = order.gather(1, j)[:, 0]
-        else:
-            c = probs.cumsum(-1)
-            j = torch.searchsorted(c, (u * c[:, -1].double()).to(c.dtype)[:, None], right=True)
-            sampled = j[:, 0].clamp_(max=logits.shape[-1] - 1)
-        tok = torch.where(greedy, logits.argmax(-1), sampled)
-        return tok, logprobs.gather(1, tok[:, None])[:, 0]
+            keep = kernels.top_p_keep(logits, temperature, top_p)
+            return kernels.sample_tokens_ref(logits, temperature, seeds, keep)
+        if self._sampler is not None:
+            return self._sampler(logits, temperature, seeds)
+        return kernels.sample_tokens_ref(logits, temperature, seeds)
 
     # ---- decode ----------------------------------------------------------------------------
-    def _decode_step(self, kv_len: int) -> None:
-        """One token for every running slot; attends over the first ``kv_len`` cache positions."""
-        s, D = self.state, self.head_dim
-        pos = s.pos.clamp(max=kv_len - 1)
-        x = self.inner.embed_tokens(s.cur_tok)[:, None]  # [B, 1, H]
-        cos2, sin2 = self.cos[pos][:, None], self.sin[pos][:, None]  # [B,1,D]
-        # Additive mask built once per step (a bool mask would be converted in every layer).
-        visible = torch.arange(kv_len, device=self.device)[None] <= pos[:, None]
-        mask = torch.zeros(visible.shape, dtype=self.dtype, device=self.device)
-        mask = mask.masked_fill(~visible, float("-inf"))[:, None, None]
-        for i, layer in enumerate(self.layers):
-            w, b, gu = self._fused[i]
-            a, m = layer.self_attn, layer.mlp
-            x = self._layer_fn(
-                x,
-                cos2,
-                sin2,
-                mask,
-                self._rows,
-                pos,
-                self.k_cache[i],  # whole caches (graph inputs mutated in place), read up to kv_len
-                self.v_cache[i],
-                kv_len,
-                (w, b, a.o_proj.weight, a.o_proj.bias, gu, m.down_proj.weight, m.down_proj.bias),
-                (layer.input_layernorm.weight, layer.post_attention_layernorm.weight),
-                float(layer.input_layernorm.variance_epsilon),
-                (self.n_heads, self.n_kv, D),
-            )
-        logits = self._logits(x[:, 0])
-        u = counter_uniform(s.key, s.n_gen)
-        tok, lp = self.sample(logits, s.temperature, s.top_p, u, self.any_top_p)
-        run = s.running
-        col = s.n_gen.clamp(max=self.T)
-        s.out_tok[self._rows, col] = torch.where(run, tok, s.out_tok[self._rows, col])
-        s.out_lp[self._rows, col] = torch.where(run, lp, s.out_lp[self._rows, col])
-        n_gen = s.n_gen + run.long()
-        hit = (s.stop_ids == tok[:, None]).any(-1) & run
-        s.stopped.copy_(s.stopped | hit)
-        s.running.copy_(run & ~hit & (n_gen < s.max_new))
-        s.n_gen.copy_(n_gen)
-        s.cur_tok.copy_(torch.where(run, tok, s.cur_tok))
-        s.pos.copy_(s.pos + run.long())
+    def bucket_for(self, rows: int) -> int:
+        """Smallest batch bucket holding ``rows`` rows."""
+        for b in self.buckets:
+            if b >= rows:
+                return b
+        return self.B
 
     def kv_len_for(self, max_pos: int) -> int:
-        """KV-length bucket covering positions up to ``max_pos`` (inclusive)."""
+        """KV-length bucket covering positions up to ``max_pos`` (inclusive); 0 when the kernel
+        reads each row's own length (no KV-length shape at all)."""
+        if self._attention is not None:
+            return 0
         return min(self.S, (max_pos // self.kv_bucket + 1) * self.kv_bucket)
 
+    def _decode_step(self, nb: int, kv_len: int) -> None:
+        """One token for every running slot among rows ``[0, nb)``."""
+        s, D = self.state, self.head_dim
+        rows = self._rows[:nb]
+        pos = s.pos[:nb].clamp(max=self.S - 1)
+        x = self.inner.embed_tokens(s.cur_tok[:nb])  # [nb, H]
+        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [nb, 1, D]
+        seq_len = pos + 1
+        dims = (self.n_heads, self.n_kv, D)
+        for i in range(len(self.layers)):
+            pre, post = self._layer_weights(i)
+            kc, vc = self.k_cache[i], self.v_cache[i]
+            x, q = self._pre_fn(x, cos, sin, rows, pos, kc, vc, pre, self.eps, dims)
+            if self._attention is not None:
+                att = self._attention(q, kc, vc, seq_len)
+            else:
+                att = kernels.decode_attention_ref(q, kc, vc, seq_len, kv_len)
+            x = self._post_fn(x, att.reshape(nb, self.n_heads * D), post, self.eps)
+        logits = self._head(x)
+        tok, lp = self.sample(
+            logits, s.temperature[:nb], s.top_p[:nb], s.key[:nb], s.n_gen[:nb], self.any_top_p
+        )
+        run = s.running[:nb]
+        col = s.n_gen[:nb].clamp(max=self.T)
+        out_tok, out_lp = s.out_tok[:nb], s.out_lp[:nb]
+        out_tok[rows, col] = torch.where(run, tok, out_tok[rows, col])
+        out_lp[rows, col] = torch.where(run, lp, out_lp[rows, col])
+        n_gen = s.n_gen[:nb] + run.long()
+        hit = (s.stop_ids[:nb] == tok[:, None]).any(-1) & run
+        s.stopped[:nb].copy_(s.stopped[:nb] | hit)
+        s.running[:nb].copy_(run & ~hit & (n_gen < s.max_new[:nb]))
+        s.n_gen[:nb].copy_(n_gen)
+        s.cur_tok[:nb].copy_(torch.where(run, tok, s.cur_tok[:nb]))
+        s.pos[:nb].copy_(s.pos[:nb] + run.long())
+
     @torch.no_grad()
-    def decode(self, kv_len: int) -> None:
-        """Run one decode step (graph replay on CUDA)."""
+    def decode(self, nb: int, kv_len: int = 0) -> None:
+        """Run one decode step over rows ``[0, nb)`` (graph replay on CUDA)."""
+        if nb not in self.buckets:
+            raise ValueError(f"{nb} rows is not a batch bucket {self.buckets}")
+        if self._attention is None and kv_len <= 0:
+            raise ValueError("kv_len is required without the decode-attention kernel")
+        self.steps_by_bucket[nb] = self.steps_by_bucket.get(nb, 0) + 1
         if not self.use_graphs:
-            self._guarded(False, kv_len)
+            self._guarded(False, nb, kv_len)
             return
-        key = (kv_len, self.any_top_p)
+        key = (nb, kv_len, self.any_top_p)
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._guarded(True, kv_len)
+            graph = self._guarded(True, nb, kv_len)
             self._graphs[key] = graph
         graph.replay()
 
-    def _guarded(self, capture: bool, kv_len: int) -> Any:
+    def _guarded(self, capture: bool, nb: int, kv_len: int) -> Any:
         """Step (or capture a graph); if the compiled step fails to compile, go eager and retry."""
 
         def run() -> Any:
-            return self._capture(kv_len) if capture else self._decode_step(kv_len)
+            return self._capture(nb, kv_len) if capture else self._decode_step(nb, kv_len)
 
-        if not self.compiled or kv_len in self._compiled_ok:
+        if not self.compiled or (nb, kv_len) in self._compiled_ok:
             return run()
         snap = {k: v.clone() for k, v in vars(self.state).items()}
         try:
             out = run()
-            self._compiled_ok.add(kv_len)
+            self._compiled_ok.add((nb, kv_len))
             return out
         except Exception:  # inductor/triton failures surface as many exception types
             self.compile_error = traceback.format_exc()
@@ -342,11 +428,11 @@ class StaticDecoder:
             for k, v in snap.items():
                 getattr(self.state, k).copy_(v)
             self.compiled = False
-            self._layer_fn = decode_layer
+            self._pre_fn, self._post_fn = layer_pre_attention, layer_post_attention
             self._graphs.clear()
             return run()
 
-    def _capture(self, kv_len: int) -> torch.cuda.CUDAGraph:
+    def _capture(self, nb: int, kv_len: int) -> torch.cuda.CUDAGraph:
         # Warm-up and capture run real steps, so snapshot the (small) slot state and restore it:
         # capture must not advance real requests. The KV cache needs no snapshot: a step writes
         # only at each slot's current position (the value the next real step writes again) and,
@@ -356,7 +442,7 @@ class StaticDecoder:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self._decode_step(kv_len)
+                self._decode_step(nb, kv_len)
                 for k, v in snap.items():
                     getattr(self.state, k).copy_(v)
         torch.cuda.current_stream().wait_stream(side)
@@ -364,54 +450,73 @@ class StaticDecoder:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._decode_step(kv_len)
+            self._decode_step(nb, kv_len)
         for k, v in snap.items():
             getattr(self.state, k).copy_(v)
         return graph
+
+    @torch.no_grad()
+    def move_rows(self, src: Sequence[int], dst: Sequence[int], upto: int) -> None:
+        """Move slots ``src`` to free rows ``dst``: their state and their first ``upto`` KV positions."""
+        if not src:
+            return
+        self.rows_moved += len(src)
+        s_idx = torch.tensor(list(src), dtype=torch.long, device=self.device)
+        d_idx = torch.tensor(list(dst), dtype=torch.long, device=self.device)
+        upto = min(max(upto, 1), self.S)
+        for kc, vc in zip(self.k_cache, self.v_cache, strict=True):
+            kc[d_idx, :, :upto] = kc[s_idx, :, :upto]
+            vc[d_idx, :, :upto] = vc[s_idx, :, :upto]
+        for t in vars(self.state).values():
+            t[d_idx] = t[s_idx]
+        self.state.running[s_idx] = False
 
     def drop_graphs(self) -> None:
         """Forget captured graphs (e.g. after the cache or weights were reallocated)."""
         self._graphs.clear()
 
 
-def decode_layer(
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    # rotate_half(x) * sin == roll(x, D/2) * [-sin_1, sin_2]: 3 kernels instead of 6
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+
+
+def layer_pre_attention(
     x: torch.Tensor,
     cos: torch.Tensor,
     signed_sin: torch.Tensor,
-    mask: torch.Tensor,
     rows: torch.Tensor,
     pos: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    kv_len: int,
     weights: tuple[Any, ...],
-    norms: tuple[torch.Tensor, torch.Tensor],
     eps: float,
     dims: tuple[int, int, int],
-) -> torch.Tensor:
-    """One decoder layer for one new token per slot: ``x`` [B, 1, H] -> [B, 1, H]; writes the KV.
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Norm, fused q/k/v, RoPE, and the new K/V written at each row's position.
 
-    A pure function of its tensors (weights passed in, no module access), so one torch.compile of
-    it serves every layer: compiling the whole unrolled step instead took ~3 minutes on an H200
-    host for a 24-layer model, this compiles one layer.
+    ``x`` [B, H] -> (``x``, ``q`` [B, Hkv, G, D]: the query heads of one KV head as its queries).
+    A pure function of its tensors (no module access), so one torch.compile serves every layer.
     """
-    w_qkv, b_qkv, w_o, b_o, w_gu, w_down, b_down = weights
+    norm, w_qkv, b_qkv = weights
     n_heads, n_kv, d = dims
     bsz = x.shape[0]
     nqk = n_heads + n_kv
-    h = F.rms_norm(x, (x.shape[-1],), norms[0], eps)
-    qkv = F.linear(h[:, 0], w_qkv, b_qkv)  # [B, (H + 2 Hkv) D]
-    # One RoPE over q and k together (adjacent in the fused output); rotate_half(x) * sin equals
-    # roll(x, D/2) * [-sin_1, sin_2].
-    qk = StaticDecoder._rope(qkv[:, : nqk * d].view(bsz, nqk, d), cos, signed_sin)
-    q = qk[:, :n_heads].view(bsz, n_kv, n_heads // n_kv, d)  # GQA: the group as queries
-    k = qk[:, n_heads:].view(bsz, n_kv, 1, d)
-    v = qkv[:, nqk * d :].view(bsz, n_kv, 1, d)
-    k_cache[rows, :, pos] = k[:, :, 0]
-    v_cache[rows, :, pos] = v[:, :, 0]
-    att = F.scaled_dot_product_attention(q, k_cache[:, :, :kv_len], v_cache[:, :, :kv_len], attn_mask=mask)
-    x = _residual_linear(x, att.reshape(bsz, 1, n_heads * d), w_o, b_o)
-    g, u = F.linear(F.rms_norm(x, (x.shape[-1],), norms[1], eps), w_gu).chunk(2, dim=-1)
+    qkv = F.linear(F.rms_norm(x, (x.shape[-1],), norm, eps), w_qkv, b_qkv)  # [B, (H + 2 Hkv) D]
+    qk = _rope(qkv[:, : nqk * d].view(bsz, nqk, d), cos, signed_sin)  # q and k are adjacent: one RoPE
+    q = qk[:, :n_heads].reshape(bsz, n_kv, n_heads // n_kv, d)
+    k_cache[rows, :, pos] = qk[:, n_heads:]
+    v_cache[rows, :, pos] = qkv[:, nqk * d :].view(bsz, n_kv, d)
+    return x, q
+
+
+def layer_post_attention(
+    x: torch.Tensor, att: torch.Tensor, weights: tuple[Any, ...], eps: float
+) -> torch.Tensor:
+    """o_proj with the residual, then the gated MLP with the residual (``x`` [..., H])."""
+    w_o, b_o, norm, w_gu, w_down, b_down = weights
+    x = _residual_linear(x, att, w_o, b_o)
+    g, u = F.linear(F.rms_norm(x, (x.shape[-1],), norm, eps), w_gu).chunk(2, dim=-1)
     return _residual_linear(x, F.silu(g) * u, w_down, b_down)
 
 

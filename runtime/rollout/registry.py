@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-if TYPE_CHECKING:  # the engines themselves run without the API's pydantic (GPU benchmarks)
+if TYPE_CHECKING:  # types only: the engines run where rlkube.api's pydantic is absent (GPU benches)
     from rlkube.api import RLJobSpec
     from rlkube.api.contract import Engine
     from rlkube.runtime.rollout.base import RolloutEngine

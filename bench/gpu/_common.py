@@ -1,0 +1,70 @@
+"""What the GPU benchmarks share: importing rlkube from this checkout, the ceilings, the RL shape.
+
+The GPU machine has torch but no rlkube install and no pydantic: ``import_rlkube`` makes
+``rlkube`` a package rooted at this checkout (``rlkube.runtime`` -> ``runtime/``, ``rlkube.api`` ->
+``api/``, ...), so only what a benchmark imports is loaded and ``rlkube.api`` (pydantic) never is.
+"""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+TOP = Path(__file__).resolve().parents[2]
+
+
+def import_rlkube() -> None:
+    """Use the installed package if there is one, else this checkout's folders, lazily."""
+    try:
+        import rlkube.runtime  # noqa: F401
+
+        return
+    except ImportError:
+        pass
+    for name in [m for m in sys.modules if m == "rlkube" or m.startswith("rlkube.")]:
+        del sys.modules[name]
+    pkg = types.ModuleType("rlkube")
+    pkg.__path__ = [str(TOP)]  # rlkube.<folder> is the top-level folder of the same name
+    sys.modules["rlkube"] = pkg
+
+
+def draw_rl_lengths(
+    prompts: int, samples: int, max_response: int, seed: int = 0, prompt_range: tuple[int, int] = (64, 320)
+) -> tuple[list[int], list[int]]:
+    """Prompt lengths (one per prompt, uniform in ``prompt_range``) and response lengths (one per
+    sample): ``32 + (max_response - 32) * Beta(2, 1.6)``, a wide spread (mean ~0.56 of the maximum,
+    a tail at the maximum) like GRPO rollouts on reasoning tasks, where responses end at their EOS.
+    """
+    import random
+
+    rng = random.Random(seed)
+    p_lens = [rng.randint(*prompt_range) for _ in range(prompts)]
+    r_lens = [
+        max(1, min(max_response, 32 + round((max_response - 32) * rng.betavariate(2.0, 1.6))))
+        for _ in range(prompts * samples)
+    ]
+    return p_lens, r_lens
+
+
+def spread(values: list[int]) -> dict[str, float]:
+    s = sorted(values)
+    return {
+        "min": float(s[0]),
+        "median": float(s[len(s) // 2]),
+        "mean": sum(s) / len(s),
+        "max": float(s[-1]),
+    }
+
+
+def ceilings(device: Any, smoke: bool) -> dict[str, Any]:
+    from rlkube.runtime.models.roofline import measure_ceilings
+
+    c = measure_ceilings(device, small=smoke)
+    return {
+        "read_bandwidth_gbs": c["read"]["read_GBps"],
+        "copy_read_write_gbs": c["copy"]["read_write_GBps"],
+        "gemm_tflops": c["gemm"]["TFLOPs"],
+        "detail": c,
+    }

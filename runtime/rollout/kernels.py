@@ -1,0 +1,467 @@
+"""Decode kernels for the hf engine: attention over each row's own KV length, one-pass sampling.
+
+Two operations, each with a plain PyTorch reference (the CPU path, and the fallback wherever
+Triton is missing or its self-check fails) and a Triton kernel (CUDA/ROCm):
+
+- ``decode_attention``: one new query token per row, GQA (the query heads of one KV head are
+  processed together), attending over the first ``seq_len[row]`` cached positions of that row only.
+  The Triton kernel splits each row's KV range into fixed chunks (flash-decoding) and skips chunks
+  past the row's length, so a batch of mixed lengths reads only the KV it needs, and the KV length
+  is not a shape: one CUDA graph serves every length.
+- ``sample_tokens``: Gumbel-max sampling, ``argmax(logits / T + g)`` with ``g = -log(-log(u))``,
+  which draws exactly from ``softmax(logits / T)``; the uniforms ``u`` are a hash of (row seed,
+  vocabulary index), so a seeded sample is reproducible whatever shares the batch and on any
+  device. The kernel reads the logits once and returns the token and its raw log-probability
+  ``log_softmax(logits)[token]`` (before temperature), where inverse-CDF sampling needs a softmax,
+  a cumulative sum, a search and a separate log-softmax pass over the vocabulary.
+
+Row seeds come from ``row_seeds(key, counter)``: the counter is the token's index in its sample.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+_M32 = 0xFFFFFFFF
+_GOLDEN = 0x9E3779B9
+_VOCAB_MIX = 0x85EBCA77
+
+
+def fmix32(h: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser on int64 tensors holding 32-bit values (wrapping multiply, masked)."""
+    h = h ^ (h >> 16)
+    h = (h * 0x85EBCA6B) & _M32
+    h = h ^ (h >> 13)
+    h = (h * 0xC2B2AE35) & _M32
+    return h ^ (h >> 16)
+
+
+def row_seeds(keys: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """32-bit seed per row (int64 tensor) from a 62-bit sample key and the token counter."""
+    a = fmix32((keys & _M32) ^ ((counters * _GOLDEN) & _M32))
+    return fmix32((a + 0x68E31DA4 + (keys >> 32)) & _M32)
+
+
+def gumbel_noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[rows, vocab]`` float32 Gumbel noise from the per-element hash (the kernel computes the same)."""
+    v = torch.arange(vocab, device=seeds.device, dtype=torch.long)
+    h = fmix32(seeds[:, None] ^ ((v[None] * _VOCAB_MIX) & _M32))
+    # 23 random bits: k + 0.5 (k < 2**23) is exact in float32, so u lies in [2**-24, 1 - 2**-24].
+    # With 24 bits the top value 2**24 - 0.5 rounds to 2**24, u == 1.0 and the noise is +inf: one
+    # element in 2**24 (about one token in a hundred over a 152k vocabulary) would win whatever
+    # its probability.
+    u = ((h >> 9).float() + 0.5) * (1.0 / 8388608.0)
+    return -torch.log(-torch.log(u))
+
+
+def sample_tokens_ref(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    keep: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Gumbel-max sample per row of ``logits`` [N, V]; returns (token int64, raw logprob float32).
+
+    ``temperature <= 0`` is greedy (first maximum). ``keep`` (bool [N, V]) restricts the choice
+    to a nucleus (top-p); the log-probability stays the raw one over the whole vocabulary.
+    """
+    x = logits.float()
+    greedy = temperature <= 0
+    inv_t = torch.where(greedy, torch.ones_like(temperature), 1.0 / temperature.clamp_min(1e-30))
+    score = torch.where(greedy[:, None], x, x * inv_t[:, None] + gumbel_noise(seeds, x.shape[-1]))
+    if keep is not None:
+        score = score.masked_fill(~keep, float("-inf"))
+    tok = score.argmax(-1)
+    lp = x.gather(1, tok[:, None])[:, 0] - torch.logsumexp(x, -1)
+    return tok, lp
+
+
+def top_p_keep(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Bool [N, V]: the smallest set of most likely tokens (under ``logits / T``) whose mass reaches top_p."""
+    t = torch.where(temperature <= 0, torch.ones_like(temperature), temperature)
+    probs = torch.softmax(logits.float() / t[:, None], dim=-1)
+    sp, order = probs.sort(dim=-1, descending=True)
+    drop_sorted = (sp.cumsum(-1) - sp) > top_p[:, None]  # mass before this token already reaches top_p
+    drop_sorted[:, 0] = False
+    return ~torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
+
+
+def decode_attention_ref(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_len: torch.Tensor, kv_len: int
+) -> torch.Tensor:
+    """SDPA over the first ``kv_len`` positions with each row masked to its ``seq_len``.
+
+    ``q`` [B, Hkv, G, D] (the query heads of one KV head as its queries), caches [>=B, Hkv, S, D];
+    returns [B, Hkv, G, D].
+    """
+    b = q.shape[0]
+    visible = torch.arange(kv_len, device=q.device)[None] < seq_len[:, None]
+    mask = torch.zeros(visible.shape, dtype=q.dtype, device=q.device)
+    mask = mask.masked_fill(~visible, float("-inf"))[:, None, None]
+    return F.scaled_dot_product_attention(q, k_cache[:b, :, :kv_len], v_cache[:b, :, :kv_len], attn_mask=mask)
+
+
+# ---- Triton ---------------------------------------------------------------------------------
+try:  # pragma: no cover - exercised on GPUs and, in interpreter mode, by the kernel tests
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except Exception:
+    HAVE_TRITON = False
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _attn_split_kernel(
+        Q,
+        K,
+        V,
+        SEQ,
+        O_PART,
+        M_PART,
+        L_PART,
+        sq_b,
+        sq_h,
+        sq_g,
+        sk_b,
+        sk_h,
+        sk_s,
+        sv_b,
+        sv_h,
+        sv_s,
+        n_splits,
+        G,
+        scale,
+        SPLIT: tl.constexpr,
+        BLOCK_N: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        D: tl.constexpr,
+        IEEE: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        sp = tl.program_id(2)
+        n_heads_kv = tl.num_programs(1)
+        seq = tl.load(SEQ + b).to(tl.int32)
+        start = sp * SPLIT
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, D)
+        offs_n = tl.arange(0, BLOCK_N)
+        gmask = offs_g < G
+        m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, D], tl.float32)
+        end = tl.minimum(start + SPLIT, seq)
+        if start < seq:
+            q = tl.load(
+                Q + b * sq_b + h * sq_h + offs_g[:, None] * sq_g + offs_d[None, :],
+                mask=gmask[:, None],
+                other=0.0,
+            )
+            k_base = K + b * sk_b + h * sk_h
+            v_base = V + b * sv_b + h * sv_h
+            for n0 in range(start, end, BLOCK_N):
+                n = n0 + offs_n
+                nmask = n < end
+                k = tl.load(k_base + n[:, None] * sk_s + offs_d[None, :], mask=nmask[:, None], other=0.0)
+                if IEEE:  # noqa: SIM108 - a constexpr branch inside a Triton kernel
+                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(k))
+                s = tl.where(nmask[None, :], s * scale, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                p = tl.exp(s - m_new[:, None])
+                alpha = tl.exp(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(v_base + n[:, None] * sv_s + offs_d[None, :], mask=nmask[:, None], other=0.0)
+                if IEEE:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
+        # partials laid out [B, Hkv, n_splits, BLOCK_G(, D)], contiguous
+        row = (b * n_heads_kv + h) * n_splits + sp
+        tl.store(M_PART + row * BLOCK_G + offs_g, m_i)
+        tl.store(L_PART + row * BLOCK_G + offs_g, l_i)
+        tl.store(O_PART + (row * BLOCK_G + offs_g[:, None]) * D + offs_d[None, :], acc)
+
+    @triton.jit
+    def _attn_combine_kernel(
+        O_PART,
+        M_PART,
+        L_PART,
+        SEQ,
+        OUT,
+        so_b,
+        so_h,
+        so_g,
+        n_splits,
+        G,
+        SPLIT: tl.constexpr,
+        BLOCK_G: tl.constexpr,
+        D: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        h = tl.program_id(1)
+        n_heads_kv = tl.num_programs(1)
+        seq = tl.load(SEQ + b).to(tl.int32)
+        used = tl.minimum((seq + SPLIT - 1) // SPLIT, n_splits)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, D)
+        base = (b * n_heads_kv + h) * n_splits
+        m = tl.full([BLOCK_G], float("-inf"), tl.float32)
+        for sp in range(0, used):
+            m = tl.maximum(m, tl.load(M_PART + (base + sp) * BLOCK_G + offs_g))
+        denom = tl.zeros([BLOCK_G], tl.float32)
+        acc = tl.zeros([BLOCK_G, D], tl.float32)
+        for sp in range(0, used):
+            w = tl.exp(tl.load(M_PART + (base + sp) * BLOCK_G + offs_g) - m)
+            denom += w * tl.load(L_PART + (base + sp) * BLOCK_G + offs_g)
+            part = tl.load(O_PART + ((base + sp) * BLOCK_G + offs_g[:, None]) * D + offs_d[None, :])
+            acc += w[:, None] * part
+        out = acc / denom[:, None]
+        gmask = offs_g < G
+        ptr = OUT + b * so_b + h * so_h + offs_g[:, None] * so_g + offs_d[None, :]
+        tl.store(ptr, out.to(OUT.dtype.element_ty), mask=gmask[:, None])
+
+    @triton.jit
+    def _fmix32_tl(h):
+        h = h ^ (h >> 16)
+        h = h * 0x85EBCA6B
+        h = h ^ (h >> 13)
+        h = h * 0xC2B2AE35
+        return h ^ (h >> 16)
+
+    @triton.jit
+    def _sample_split_kernel(
+        X,
+        sx,
+        TEMP,
+        SEEDS,
+        P_M,
+        P_S,
+        P_BEST,
+        P_IDX,
+        P_RAW,
+        V,
+        n_splits,
+        CHUNK: tl.constexpr,
+        BLOCK: tl.constexpr,
+    ):
+        r = tl.program_id(0)
+        sp = tl.program_id(1)
+        t = tl.load(TEMP + r)
+        greedy = t <= 0.0
+        inv_t = tl.where(greedy, 1.0, 1.0 / tl.maximum(t, 1e-30))
+        seed = tl.load(SEEDS + r).to(tl.uint32)
+        m = tl.full([BLOCK], float("-inf"), tl.float32)
+        s = tl.zeros([BLOCK], tl.float32)
+        best = tl.full([BLOCK], float("-inf"), tl.float32)
+        bidx = tl.zeros([BLOCK], tl.int32)
+        braw = tl.zeros([BLOCK], tl.float32)
+        start = sp * CHUNK
+        end = tl.minimum(start + CHUNK, V)
+        for v0 in range(start, end, BLOCK):
+            v = v0 + tl.arange(0, BLOCK)
+            mask = v < end
+            x = tl.load(X + r * sx + v, mask=mask, other=float("-inf")).to(tl.float32)
+            # element-wise online logsumexp (lanes never see -inf alone: first block is full or masked)
+            m_new = tl.maximum(m, x)
+            s = tl.where(m_new == float("-inf"), 0.0, s * tl.exp(m - m_new) + tl.exp(x - m_new))
+            m = m_new
+            hsh = _fmix32_tl(seed ^ (v.to(tl.uint32) * 0x85EBCA77))
+            u = ((hsh >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # as gumbel_noise
+            g = -tl.log(-tl.log(u))
+            score = tl.where(greedy, x, x * inv_t + g)
+            score = tl.where(mask, score, float("-inf"))
+            better = score > best
+            best = tl.where(better, score, best)
+            bidx = tl.where(better, v, bidx)
+            braw = tl.where(better, x, braw)
+        # reduce the lanes: logsumexp pieces, and the first index of the best score
+        mm = tl.max(m, 0)
+        ss = tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - mm)), 0)
+        top = tl.max(best, 0)
+        big = 2147483647
+        idx = tl.min(tl.where(best == top, bidx, big), 0)
+        raw = tl.max(tl.where((best == top) & (bidx == idx), braw, float("-inf")), 0)
+        o = r * n_splits + sp
+        tl.store(P_M + o, mm)
+        tl.store(P_S + o, ss)
+        tl.store(P_BEST + o, top)
+        tl.store(P_IDX + o, idx)
+        tl.store(P_RAW + o, raw)
+
+    @triton.jit
+    def _sample_combine_kernel(P_M, P_S, P_BEST, P_IDX, P_RAW, TOK, LP, n_splits, BLOCK_S: tl.constexpr):
+        r = tl.program_id(0)
+        offs = tl.arange(0, BLOCK_S)
+        mask = offs < n_splits
+        o = r * n_splits + offs
+        m = tl.load(P_M + o, mask=mask, other=float("-inf"))
+        s = tl.load(P_S + o, mask=mask, other=0.0)
+        best = tl.load(P_BEST + o, mask=mask, other=float("-inf"))
+        idx = tl.load(P_IDX + o, mask=mask, other=2147483647)
+        raw = tl.load(P_RAW + o, mask=mask, other=float("-inf"))
+        mm = tl.max(m, 0)
+        total = tl.sum(tl.where(mask, s * tl.exp(m - mm), 0.0), 0)
+        top = tl.max(best, 0)
+        tok = tl.min(tl.where(best == top, idx, 2147483647), 0)
+        x = tl.max(tl.where((best == top) & (idx == tok), raw, float("-inf")), 0)
+        tl.store(TOK + r, tok.to(tl.int64))
+        tl.store(LP + r, x - mm - tl.log(total))
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+class TritonDecodeAttention:
+    """Flash-decoding over each row's own length; partial buffers sized once for the cache.
+
+    The chunk each program takes (``split``) shrinks when few rows are decoding, so that a small
+    batch still spreads over the whole GPU (64 rows x 2 KV heads of 300 positions: 6 chunks of
+    64, 768 programs) while a large one keeps the combine step short.
+    """
+
+    TARGET_PROGRAMS = 2048
+
+    def __init__(
+        self, max_rows: int, n_kv: int, group: int, head_dim: int, max_seq: int, device: torch.device
+    ):
+        if not HAVE_TRITON:
+            raise RuntimeError("triton is not importable")
+        if head_dim & (head_dim - 1) or head_dim < 16:
+            raise ValueError(f"head_dim {head_dim} must be a power of two >= 16 for the Triton decode kernel")
+        self.block_n = 64
+        self.block_g = max(16, _next_pow2(group))
+        self.group, self.d, self.n_kv, self.max_seq = group, head_dim, n_kv, max_seq
+        # partials of the largest (rows x splits) any call can use, laid out per call
+        size = max(b * n_kv * math.ceil(max_seq / self.split_for(b)) for b in range(1, max_rows + 1))
+        self.m_part = torch.empty(size * self.block_g, dtype=torch.float32, device=device)
+        self.l_part = torch.empty(size * self.block_g, dtype=torch.float32, device=device)
+        self.o_part = torch.empty(size * self.block_g * head_dim, dtype=torch.float32, device=device)
+
+    def split_for(self, rows: int) -> int:
+        """Positions per program: the smallest power of two in [64, 512] that keeps the grid near
+        ``TARGET_PROGRAMS`` programs."""
+        split = 64
+        while split < 512 and rows * self.n_kv * math.ceil(self.max_seq / split) > self.TARGET_PROGRAMS:
+            split *= 2
+        return split
+
+    def __call__(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        seq_len: torch.Tensor,
+        split: int | None = None,
+    ) -> torch.Tensor:
+        b, n_kv, g, d = q.shape
+        if q.stride(-1) != 1:
+            q = q.contiguous()
+        assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and k_cache.shape[2] <= self.max_seq
+        split = split or self.split_for(b)
+        n_splits = math.ceil(self.max_seq / split)
+        assert b * n_kv * n_splits * self.block_g <= self.m_part.numel()
+        out = torch.empty((b, n_kv, g, d), dtype=q.dtype, device=q.device)
+        _attn_split_kernel[(b, n_kv, n_splits)](
+            q, k_cache, v_cache, seq_len, self.o_part, self.m_part, self.l_part,
+            q.stride(0), q.stride(1), q.stride(2),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            n_splits, g, 1.0 / math.sqrt(d),
+            SPLIT=split, BLOCK_N=self.block_n, BLOCK_G=self.block_g, D=d,
+            IEEE=q.dtype == torch.float32,
+        )  # fmt: skip
+        _attn_combine_kernel[(b, n_kv)](
+            self.o_part, self.m_part, self.l_part, seq_len, out,
+            out.stride(0), out.stride(1), out.stride(2),
+            n_splits, g, SPLIT=split, BLOCK_G=self.block_g, D=d,
+        )  # fmt: skip
+        return out
+
+
+class TritonSampler:
+    """One read of the logits: Gumbel-max token and raw log-probability per row."""
+
+    def __init__(self, max_rows: int, vocab: int, device: torch.device) -> None:
+        if not HAVE_TRITON:
+            raise RuntimeError("triton is not importable")
+        self.block = 1024
+        self.chunk = 8192
+        self.vocab = vocab
+        self.n_splits = math.ceil(vocab / self.chunk)
+        shape = (max_rows, self.n_splits)
+        self.p_m = torch.empty(shape, dtype=torch.float32, device=device)
+        self.p_s = torch.empty(shape, dtype=torch.float32, device=device)
+        self.p_best = torch.empty(shape, dtype=torch.float32, device=device)
+        self.p_idx = torch.empty(shape, dtype=torch.int32, device=device)
+        self.p_raw = torch.empty(shape, dtype=torch.float32, device=device)
+
+    def __call__(
+        self, logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n, v = logits.shape
+        assert logits.stride(-1) == 1 and v == self.vocab
+        tok = torch.empty(n, dtype=torch.long, device=logits.device)
+        lp = torch.empty(n, dtype=torch.float32, device=logits.device)
+        _sample_split_kernel[(n, self.n_splits)](
+            logits, logits.stride(0), temperature, seeds,
+            self.p_m, self.p_s, self.p_best, self.p_idx, self.p_raw,
+            v, self.n_splits, CHUNK=self.chunk, BLOCK=self.block,
+        )  # fmt: skip
+        _sample_combine_kernel[(n,)](
+            self.p_m, self.p_s, self.p_best, self.p_idx, self.p_raw, tok, lp,
+            self.n_splits, BLOCK_S=max(2, _next_pow2(self.n_splits)),
+        )  # fmt: skip
+        return tok, lp
+
+
+def self_check(kind: str, fn: Any, device: torch.device, **shape: Any) -> str | None:
+    """Run a kernel against its reference on random inputs; ``None`` if they agree, else why not.
+
+    Called once when the decoder starts on a GPU, so a kernel that miscompiles on some
+    device/driver/Triton version is never used (the reference path is, and the reason is kept).
+    """
+    g = torch.Generator(device="cpu").manual_seed(1234)
+    try:
+        if kind == "attention":
+            rows, n_kv, group, d, s, dtype = (
+                shape[k] for k in ("rows", "n_kv", "group", "d", "seq", "dtype")
+            )
+            q = torch.randn(rows, n_kv, group, d, generator=g).to(device, dtype)
+            kc = torch.randn(rows, n_kv, s, d, generator=g).to(device, dtype)
+            vc = torch.randn(rows, n_kv, s, d, generator=g).to(device, dtype)
+            seq = torch.randint(1, s + 1, (rows,), generator=g).to(device)
+            seq[0] = s
+            want = decode_attention_ref(q.float(), kc.float(), vc.float(), seq, s)
+            tol = 2e-2 if dtype != torch.float32 else 1e-4
+            for split in (None, 512):  # the split this row count gets, and the largest
+                got = fn(q, kc, vc, seq, split=split).float()
+                err = float((got - want).norm() / want.norm())
+                if not err < tol:
+                    return f"attention kernel (split {split}) relative error {err:.3g} >= {tol}"
+            return None
+        if kind == "sample":
+            rows, vocab, dtype = shape["rows"], shape["vocab"], shape["dtype"]
+            x = (torch.randn(rows, vocab, generator=g) * 3).to(device, dtype)
+            temp = torch.rand(rows, generator=g).to(device) + 0.3
+            temp[0] = 0.0
+            seeds = torch.randint(0, 2**32, (rows,), generator=g).to(device)
+            tok, lp = fn(x, temp, seeds)
+            want_tok, want_lp = sample_tokens_ref(x, temp, seeds)
+            same = float((tok == want_tok).float().mean())
+            lp_err = float((lp - want_lp).abs().max())
+            if same < 0.99 or lp_err > 1e-3:
+                return f"sampling kernel: {same:.3f} tokens agree, logprob error {lp_err:.3g}"
+            return None
+        raise ValueError(kind)
+    except Exception as exc:
+        return f"{type(exc).__name__}: {exc}"

@@ -1,0 +1,234 @@
+"""The hf decoder's fast paths on the CPU: batch buckets, batched prefill, one-pass sampling, kernels.
+
+The Triton kernels are GPU code; here they run in Triton's interpreter (``TRITON_INTERPRET=1``, in a
+subprocess, since the flag is read when a kernel is defined) against their PyTorch references, and
+the whole engine with the kernels switched on must give the same tokens and log-probabilities as
+the engine without them. On a GPU the decoder repeats a self-check at start-up (bf16, which the
+interpreter cannot run) and falls back to PyTorch if a kernel disagrees.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from rlkube.runtime.rollout import kernels
+from rlkube.runtime.rollout.base import RolloutRequest, SamplingParams
+from rlkube.runtime.rollout.hf import HFEngine, teacher_forced_logprobs
+from rlkube.runtime.rollout.hf_decode import StaticDecoder, batch_buckets
+
+from .test_sampler_distribution import seed_hashing_to
+
+ROOT = Path(__file__).resolve().parents[2]
+LOGPROB_ATOL = 1e-4
+
+
+def _model(vocab: int = 40, hidden: int = 128, heads: int = 2, kv: int = 1) -> Any:
+    from transformers import AutoModelForCausalLM
+
+    from rlkube.runtime.models.tiny import tiny_qwen2_config
+
+    torch.manual_seed(0)
+    cfg = tiny_qwen2_config(vocab, hidden_size=hidden, num_heads=heads, num_kv_heads=kv)
+    return AutoModelForCausalLM.from_config(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    return _model()
+
+
+def test_batch_buckets_cover_every_row_count() -> None:
+    assert batch_buckets(512) == [8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512]
+    assert batch_buckets(64) == [8, 16, 24, 32, 48, 64]
+    assert batch_buckets(5) == [5] and batch_buckets(10) == [8, 10]
+
+
+def test_batched_prefill_equals_one_prompt_at_a_time(model: Any) -> None:
+    prompts = [[1, 5, 6, 7, 8, 9, 10], [1, 9], [2, 3, 4, 5]]
+    groups = [[0, 1], [2], [3, 4, 5]]
+    together = StaticDecoder(model, num_slots=6, max_seq_len=32, max_new_tokens=8)
+    alone = StaticDecoder(model, num_slots=6, max_seq_len=32, max_new_tokens=8)
+    logits = together.prefill(prompts, groups)
+    assert together.prefill_forwards == 1  # every prompt in one forward
+    for i, (p, g) in enumerate(zip(prompts, groups, strict=True)):
+        want = alone.prefill([p], [g])[0]
+        assert torch.allclose(logits[i], want, atol=1e-5)
+        for layer in range(len(together.layers)):
+            for slot in g:  # each sample of the group holds the prompt's KV
+                got_k = together.k_cache[layer][slot, :, : len(p)]
+                assert torch.allclose(got_k, alone.k_cache[layer][g[0], :, : len(p)], atol=1e-5)
+                got_v = together.v_cache[layer][slot, :, : len(p)]
+                assert torch.allclose(got_v, alone.v_cache[layer][g[0], :, : len(p)], atol=1e-5)
+    # a small token budget splits the prompts into several forwards with the same result
+    chunked = StaticDecoder(model, num_slots=6, max_seq_len=32, max_new_tokens=8, max_prefill_tokens=8)
+    assert torch.allclose(chunked.prefill(prompts, groups), logits, atol=1e-5)
+    assert chunked.prefill_forwards == 2  # [7 tokens] then [2, 4 tokens padded to 4]: 8 each
+
+
+def test_one_prefill_per_prompt_group(model: Any) -> None:
+    reqs = [
+        RolloutRequest(f"g{i}", p, SamplingParams(n=4, max_tokens=6, seed=i))
+        for i, p in enumerate([[1, 2], [3, 4, 5]])
+    ]
+    with HFEngine(model=model, num_slots=8, max_seq_len=32) as eng:
+        out = eng.generate(reqs)
+        assert eng.decoder.prefill_forwards == 1  # 2 prompts x 4 samples: one batched forward
+    for c in out:
+        tf = teacher_forced_logprobs(model, c.prompt_ids, c.token_ids)
+        assert torch.allclose(torch.tensor(c.logprobs), tf, atol=LOGPROB_ATOL)
+
+
+def _mixed_length_requests() -> list[RolloutRequest]:
+    prompts = [[1, 5, 6, 7], [1, 9], [1, 4, 4, 4, 4, 4, 4, 12, 13], [2, 3]]
+    return [
+        RolloutRequest(f"r{i}_{k}", p, SamplingParams(n=2, temperature=1.0, max_tokens=m, seed=100 * i + k))
+        for i, p in enumerate(prompts)
+        for k, m in enumerate([3, 11, 29])
+    ]
+
+
+def test_finished_samples_free_their_rows_and_the_batch_shrinks(model: Any) -> None:
+    """24 samples of 3, 11 and 29 tokens: steps move from 24 rows to 16 to 8, live samples are
+    moved down, and every sample is exactly what it is when decoded alone."""
+    reqs = _mixed_length_requests()
+    with HFEngine(model=model, num_slots=24, max_seq_len=64, sync_every=2) as eng:
+        together = eng.generate(reqs)
+        used = eng.decoder.steps_by_bucket
+        assert set(used) == {8, 16, 24} and used[8] > used[24]  # the long tail runs on 8 rows
+        assert eng.decoder.rows_moved > 0
+    with HFEngine(model=model, num_slots=2, max_seq_len=64) as eng:
+        alone = [eng.generate([r]) for r in reqs]
+    flat = [c for out in alone for c in out]
+    assert [c.token_ids for c in together] == [c.token_ids for c in flat]
+    for c in together:
+        assert len(c.token_ids) == c.params.max_tokens
+        tf = teacher_forced_logprobs(model, c.prompt_ids, c.token_ids)
+        assert torch.allclose(torch.tensor(c.logprobs), tf, atol=LOGPROB_ATOL)
+
+
+def test_gumbel_sampling_is_exact_reproducible_and_greedy_at_zero() -> None:
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, 12, generator=g) * 2
+    n, temp = 20000, 0.8
+    seeds = kernels.row_seeds(torch.full((n,), 12345), torch.arange(n))
+    tok, lp = kernels.sample_tokens_ref(logits.expand(n, -1), torch.full((n,), temp), seeds)
+    freq = torch.bincount(tok, minlength=12).float() / n
+    assert 0.5 * (freq - torch.softmax(logits[0] / temp, -1)).abs().sum() < 0.02  # total variation
+    assert torch.allclose(lp, torch.log_softmax(logits[0], -1)[tok], atol=1e-6)  # raw, before T
+    again, _ = kernels.sample_tokens_ref(logits.expand(n, -1), torch.full((n,), temp), seeds)
+    assert torch.equal(tok, again)
+    greedy, _ = kernels.sample_tokens_ref(logits.expand(3, -1), torch.zeros(3), seeds[:3])
+    assert greedy.tolist() == [int(logits.argmax())] * 3
+    keep = kernels.top_p_keep(logits.expand(n, -1), torch.full((n,), temp), torch.full((n,), 0.5))
+    nucleus, _ = kernels.sample_tokens_ref(logits.expand(n, -1), torch.full((n,), temp), seeds, keep)
+    assert set(nucleus.tolist()) <= set(torch.nonzero(keep[0]).flatten().tolist())
+    assert Counter(nucleus.tolist()).most_common(1)[0][0] == int(logits.argmax())
+
+
+KERNEL_SCRIPT = textwrap.dedent(
+    """
+    import json, sys, torch
+    from rlkube.runtime.rollout import kernels as K
+    cpu = torch.device("cpu")
+    out = {}
+    for dtype in (torch.float32, torch.float16):
+        att = K.TritonDecodeAttention(5, 2, 7, 64, 600, cpu)  # 14 query heads on 2 KV heads
+        out[f"attention_{dtype}"] = K.self_check("attention", att, cpu, rows=5, n_kv=2, group=7, d=64,
+                                                seq=600, dtype=dtype)
+        smp = K.TritonSampler(6, 20000, cpu)
+        out[f"sample_{dtype}"] = K.self_check("sample", smp, cpu, rows=6, vocab=20000, dtype=dtype)
+    # exact agreement, ties aside: same tokens, log-probabilities to float32 rounding
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(6, 20000, generator=g) * 4
+    seeds = K.row_seeds(torch.arange(6) * 977, torch.arange(6))
+    t = torch.tensor([0.0, 0.5, 1.0, 1.0, 1.5, 2.0])
+    tok, lp = K.TritonSampler(6, 20000, cpu)(x, t, seeds)
+    rtok, rlp = K.sample_tokens_ref(x, t, seeds)
+    out["same_tokens"] = tok.tolist() == rtok.tolist()
+    out["lp_err"] = float((lp - rlp).abs().max())
+    # the largest hash at token 700 must not beat a token holding all the mass
+    x = torch.full((1, 20000), -40.0)
+    x[0, 0] = 40.0
+    tok, _ = K.TritonSampler(1, 20000, cpu)(x, torch.ones(1), torch.tensor([MAX_HASH_SEED]))
+    out["extreme_hash_token"] = tok.item()
+    print(json.dumps(out))
+    """
+)
+
+ENGINE_SCRIPT = textwrap.dedent(
+    """
+    import json, torch
+    from transformers import AutoModelForCausalLM
+    from rlkube.runtime.models.tiny import tiny_qwen2_config
+    from rlkube.runtime.rollout.hf import HFEngine, teacher_forced_logprobs
+    from rlkube.runtime.rollout.base import RolloutRequest, SamplingParams
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_qwen2_config(40, hidden_size=128, num_heads=2)).eval()
+    reqs = [RolloutRequest(f"r{i}_{m}", p, SamplingParams(n=2, max_tokens=m, seed=i * 10 + m))
+            for i, p in enumerate([[1, 5, 6, 7], [1, 9, 8]]) for m in (3, 9)]
+    outs = {}
+    for k in (False, True):
+        with HFEngine(model=model, num_slots=8, max_seq_len=32, kernels=k) as eng:
+            outs[k] = (eng.generate(reqs), eng.decoder.kernels_used)
+    a, b = outs[False][0], outs[True][0]
+    err = max(max(abs(x - y) for x, y in zip(p.logprobs, q.logprobs)) for p, q in zip(a, b))
+    tf = max(float((teacher_forced_logprobs(model, c.prompt_ids, c.token_ids)
+                    - torch.tensor(c.logprobs)).abs().max()) for c in b)
+    same = [c.token_ids for c in a] == [c.token_ids for c in b]
+    print(json.dumps({"kernels": outs[True][1], "same_tokens": same, "lp_err": err, "tf_err": tf}))
+    """
+)
+
+
+def _interpret(script: str) -> dict[str, Any]:
+    import json
+
+    assert kernels.HAVE_TRITON, "triton is part of the test environment (torch's dependency)"
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONSAFEPATH": "1", "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_triton_kernels_match_their_references_in_the_interpreter() -> None:
+    out = _interpret(KERNEL_SCRIPT.replace("MAX_HASH_SEED", str(seed_hashing_to(0xFFFFFFFF, 700))))
+    for key in (
+        "attention_torch.float32",
+        "attention_torch.float16",
+        "sample_torch.float32",
+        "sample_torch.float16",
+    ):
+        assert out[key] is None, (key, out[key])
+    assert out["same_tokens"] and out["lp_err"] < 1e-5
+    assert out["extreme_hash_token"] == 0
+
+
+def test_engine_with_triton_kernels_equals_engine_without() -> None:
+    out = _interpret(ENGINE_SCRIPT)
+    assert out["kernels"] == {"attention": "triton", "sampling": "triton"}
+    assert out["same_tokens"] and out["lp_err"] < 1e-5 and out["tf_err"] < LOGPROB_ATOL
+
+
+def test_decode_attention_reference_masks_each_row_to_its_length() -> None:
+    g = torch.Generator().manual_seed(0)
+    q, kc, vc = (torch.randn(3, 2, 4, 16, generator=g) for _ in range(3))
+    kc, vc = torch.randn(3, 2, 10, 16, generator=g), torch.randn(3, 2, 10, 16, generator=g)
+    seq = torch.tensor([10, 4, 1])
+    out = kernels.decode_attention_ref(q, kc, vc, seq, 10)
+    for r in range(3):
+        n = int(seq[r])
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[r : r + 1], kc[r : r + 1, :, :n], vc[r : r + 1, :, :n]
+        )
+        assert torch.allclose(out[r], want[0], atol=1e-5)

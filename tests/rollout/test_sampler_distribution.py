@@ -1,0 +1,103 @@
+"""The one-pass Gumbel-max sampler draws exactly from softmax(logits / T), token after token.
+
+Seeds are pinned (the sampler is a pure function of logits and seeds), so every statistic here is
+one fixed number: the bounds sit six standard deviations above a chi-square's mean, far from what a
+correct sampler gives and far below what a biased one does. The extreme-hash test fails on the
+24-bit uniforms ``gumbel_noise`` once used (one hash in 2**24 gave u == 1.0, infinite noise, and a
+token drawn whatever its probability); the Triton kernel's copy of that maths is checked in
+``test_hf_decode``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from rlkube.runtime.rollout import kernels
+from rlkube.runtime.rollout.base import SamplingParams, sample_seed
+
+_M32 = 0xFFFFFFFF
+
+
+def _inverse_fmix32(h: int) -> int:
+    """The input ``x`` with ``kernels.fmix32(x) == h`` (murmur3's finaliser is a bijection)."""
+    h ^= h >> 16
+    h = (h * pow(0xC2B2AE35, -1, 1 << 32)) & _M32
+    h ^= (h >> 13) ^ (h >> 26)
+    h = (h * pow(0x85EBCA6B, -1, 1 << 32)) & _M32
+    return h ^ (h >> 16)
+
+
+def seed_hashing_to(h: int, vocab_index: int) -> int:
+    """A row seed whose hash at ``vocab_index`` is ``h`` (see ``kernels.gumbel_noise``)."""
+    return _inverse_fmix32(h) ^ ((vocab_index * kernels._VOCAB_MIX) & _M32)
+
+
+def _chi2_bound(df: int) -> float:
+    return df + 6.0 * math.sqrt(2.0 * df)
+
+
+def _chi2(counts: torch.Tensor, expected: torch.Tensor) -> tuple[float, int]:
+    """Pearson's statistic over the cells expecting >= 5 draws, and its degrees of freedom."""
+    keep = expected >= 5
+    stat = float(((counts.double() - expected) ** 2 / expected)[keep].sum())
+    return stat, int(keep.sum()) - 1
+
+
+def test_extreme_hashes_give_finite_noise_and_never_pick_an_impossible_token() -> None:
+    vocab, v = 1000, 700
+    for h in (_M32, _M32 - 0xFF, 0, 0xFF):
+        seed = seed_hashing_to(h, v)
+        assert int(kernels.fmix32(torch.tensor(seed ^ ((v * kernels._VOCAB_MIX) & _M32)))) == h
+        g = kernels.gumbel_noise(torch.tensor([seed]), vocab)
+        assert torch.isfinite(g).all(), (hex(h), g[0, v])
+    # Token 0 holds all the mass; token v's noise is the largest the hash can give.
+    logits = torch.full((1, vocab), -40.0)
+    logits[0, 0] = 40.0
+    seed = torch.tensor([seed_hashing_to(_M32, v)])
+    tok, lp = kernels.sample_tokens_ref(logits, torch.ones(1), seed)
+    assert tok.tolist() == [0] and abs(float(lp)) < 1e-6
+
+
+def test_token_frequencies_match_softmax_over_temperature() -> None:
+    g = torch.Generator().manual_seed(0)
+    vocab, n = 17, 200_000
+    seeds = kernels.row_seeds(torch.arange(n) * 7919 + 12345, torch.zeros(n, dtype=torch.long))
+    for scale, temp in ((0.5, 1.0), (2.0, 1.0), (2.0, 0.7), (4.0, 1.3)):
+        logits = torch.randn(vocab, generator=g) * scale
+        tok, lp = kernels.sample_tokens_ref(logits.expand(n, -1), torch.full((n,), temp), seeds)
+        stat, df = _chi2(torch.bincount(tok, minlength=vocab), n * torch.softmax(logits.double() / temp, -1))
+        assert stat < _chi2_bound(df), (scale, temp, stat, df)
+        # the log-probability returned is the raw one (before temperature) of the token chosen
+        assert torch.allclose(lp, torch.log_softmax(logits, -1)[tok], atol=1e-6)
+
+
+def test_tokens_of_a_sample_and_samples_of_a_group_are_independent() -> None:
+    """Joint frequencies of (token i, token i+1) of one sample, and of (sample j, sample k) of one
+    prompt, equal the product of the marginals: the streams the trainer's seeds give do not repeat."""
+    g = torch.Generator().manual_seed(1)
+    vocab, prompts, group = 17, 30_000, 8
+    logits = torch.randn(vocab, generator=g) * 1.5
+    p = torch.softmax(logits.double(), -1)
+    params = [SamplingParams(n=group, seed=42 * 1_000_003 + i) for i in range(prompts)]
+    keys = torch.tensor([sample_seed(sp, j) & ((1 << 62) - 1) for sp in params for j in range(group)])  # type: ignore[operator]
+    n = keys.numel()
+    toks = []
+    for counter in range(3):
+        seeds = kernels.row_seeds(keys, torch.full((n,), counter, dtype=torch.long))
+        toks.append(kernels.sample_tokens_ref(logits.expand(n, -1), torch.ones(n), seeds)[0])
+
+    def joint(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int]:
+        counts = torch.zeros(vocab * vocab, dtype=torch.long).index_add_(0, a * vocab + b, torch.ones_like(a))
+        return _chi2(counts, len(a) * (p[:, None] * p[None, :]).flatten())
+
+    pairs = {
+        "token 0, token 1": (toks[0], toks[1]),
+        "token 1, token 2": (toks[1], toks[2]),
+        "sample 0, sample 1": (toks[0].view(prompts, group)[:, 0], toks[0].view(prompts, group)[:, 1]),
+        "sample 2, sample 7": (toks[1].view(prompts, group)[:, 2], toks[1].view(prompts, group)[:, 7]),
+    }
+    for name, (a, b) in pairs.items():
+        stat, df = joint(a, b)
+        assert stat < _chi2_bound(df), (name, stat, df)
