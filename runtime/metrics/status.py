@@ -81,7 +81,7 @@ class StatusPusher:
         self.namespace = namespace
         self.min_interval_s = min_interval_s
         self._api = api
-        self._last = 0.0
+        self._last = float("-inf")  # the first push is never rate-limited (monotonic may start near 0)
         self.pushed = 0
         self.failures = 0
         self._warned = False
