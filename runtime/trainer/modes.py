@@ -489,6 +489,14 @@ class SeparateAsyncDriver(_Base):
         self._thread.start()
 
     # -- trainer side ------------------------------------------------------------------------
+    def evaluate(self) -> dict[str, float]:
+        """The held-out eval, with the rollouter held off: it polls the same engines, and a poll
+        takes whatever finished, so it would take (and drop) the eval's completions and the eval
+        would wait forever. Training completions the eval's poll sees are stashed for the
+        rollouter (``EnginePool.generate``) or left in the engine (``generate`` of one engine)."""
+        with self.lock:
+            return super().evaluate()
+
     def _must_wait_for_stragglers(self) -> bool:
         """``wait``: taking a mini-batch now would leave no room in this version for in-flight
         groups that are already ``ceil(threshold)`` versions old (they could never be trained)."""
