@@ -2,10 +2,11 @@
 
 One ``Trainer.train`` call on the same samples with 1 rank and with 2 ranks (each holding half of
 every mini-batch's prompt groups): the loss, the gradient norm and every updated weight agree
-within 1e-5, for token-mean and seq-mean aggregation and for HSDP (replicated across two pods),
-over two mini-batches (so the old log-prob pass, the split per mini-batch and two optimiser steps
-all run); and for an uneven batch (groups shortened as ``data.nonFiniteReward: skip`` leaves them),
-which the split pads so both ranks run the same passes.
+(``_assert_same_update`` gives the tolerances and why), for token-mean and seq-mean aggregation
+and for HSDP (replicated across two pods), over two mini-batches (so the old log-prob pass, the
+split per mini-batch and two optimiser steps all run); and for an uneven batch (groups shortened
+as ``data.nonFiniteReward: skip`` leaves them), which the split pads so both ranks run the same
+passes.
 """
 
 from __future__ import annotations
@@ -102,13 +103,29 @@ def test_two_ranks_update_equals_one(tmp_path: Path, tiny_task: Any, case: str) 
     assert m1["trainer/world_size"] == 1 and m2["trainer/world_size"] == 2
     assert m1["actor/updates"] == m2["actor/updates"] == 2
     for key in ("actor/pg_loss", "actor/grad_norm", "actor/entropy", "actor/clip_frac", "actor/approx_kl"):
-        assert abs(m1[key] - m2[key]) <= 1e-5, (key, m1[key], m2[key])
+        assert abs(m1[key] - m2[key]) <= 1e-5 * max(1.0, abs(m1[key])), (key, m1[key], m2[key])
     assert m1["actor/grad_norm"] > 0
-    assert w1.keys() == w2.keys()
-    worst = max(float((w1[k] - w2[k]).abs().max()) for k in w1)
-    assert worst <= 1e-5, worst
+    _assert_same_update(w1, w2, lr=1e-3)
     moved = max(float((w1[k] - v).abs().max()) for k, v in _initial(tiny_task).items())
     assert moved > 1e-4  # the update really changed the weights (the comparison is not vacuous)
+
+
+def _assert_same_update(w1: dict[str, torch.Tensor], w2: dict[str, torch.Tensor], lr: float) -> None:
+    """The weights after 1 and 2 ranks agree: the bulk to 1e-6, every element to a fifth of a step.
+
+    Two ranks sum the gradient in another order, so fp32 gradients differ in their last bits. Adam
+    divides each element by its own running magnitude: an element whose gradient nearly cancels
+    (|g| near Adam's eps, 1e-8) turns that rounding into a visible share of a step (lr). Measured on
+    this model: 27 of 300,416 elements differ by more than 1e-6, the worst by 7.5e-5 (seq-mean; the
+    second step starts from the first's weights). A wrong shard, split or normaliser moves thousands
+    of elements by about lr, which both bounds catch.
+    """
+    assert w1.keys() == w2.keys()
+    diffs = torch.cat([(w1[k] - w2[k]).abs().flatten() for k in w1])
+    off = int((diffs > 1e-6).sum())
+    assert off <= diffs.numel() // 1000, f"{off} of {diffs.numel()} elements differ by more than 1e-6"
+    worst = float(diffs.max())
+    assert worst <= lr / 5, f"an element differs by {worst:.2e}, more than a fifth of a step ({lr / 5:.0e})"
 
 
 def _initial(task: Any) -> dict[str, torch.Tensor]:
