@@ -55,9 +55,14 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     )
     settings.posting.enabled = False  # our own Events, one per transition, not one per handler run
     settings.watching.label_selectors[PODS] = "ray.io/cluster"
-    settings.watching.field_selectors[EVENTS] = "type=Warning"
     for child in SIMPLE_CHILDREN:
         settings.watching.label_selectors[child] = JOB_LABEL
+    # Cluster-wide mode: excluded namespaces never reach the operator (one selector string per kind).
+    skip = [f"metadata.namespace!={ns}" for ns in _rec(memo).config.exclude_namespaces]
+    for kind in (RLJOB, RAYJOB, RAYCLUSTER, PODS, *SIMPLE_CHILDREN):
+        if skip:
+            settings.watching.field_selectors[kind] = ",".join(skip)
+    settings.watching.field_selectors[EVENTS] = ",".join(["type=Warning", *skip])
     settings.watching.server_timeout = 300
     settings.networking.request_timeout = 60
     _rec(memo).start()

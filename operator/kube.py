@@ -61,11 +61,32 @@ def resource_of(path: str) -> str:
     return parts[0] + (f"/{parts[2]}" if len(parts) > 2 else "")
 
 
+def is_collection(path: str) -> bool:
+    """True for a list URL (``.../namespaces/ns/rayjobs``), False for one object or a subresource."""
+    parts = [p for p in path.split("/") if p]
+    if parts[:1] == ["api"]:
+        parts = parts[2:]
+    elif parts[:1] == ["apis"]:
+        parts = parts[3:]
+    if parts[:1] == ["namespaces"] and len(parts) > 2:
+        parts = parts[2:]
+    return len(parts) == 1
+
+
+def request_verb(method: str, path: str, query: str) -> str:
+    """The apiserver's own verb names: WATCH and LIST apart from GET, else the HTTP method."""
+    if "watch=true" in query or "watch=1" in query:
+        return "WATCH"
+    if method == "GET" and is_collection(path):
+        return "LIST"
+    return method
+
+
 async def _on_request_end(
     session: aiohttp.ClientSession, ctx: SimpleNamespace, params: aiohttp.TraceRequestEndParams
 ) -> None:
     url = urlsplit(str(params.url))
-    verb = "WATCH" if "watch=true" in (url.query or "") else params.method
+    verb = request_verb(params.method, url.path, url.query or "")
     metrics.API_REQUESTS.labels(verb, resource_of(url.path), str(params.response.status)).inc()
 
 

@@ -21,6 +21,7 @@ from pydantic import ValidationError
 from . import metrics
 from .cache import Cache, JobState, Key
 from .kube import Kube, KubeError
+from .policy import PolicySet
 from .status import Observed, derive, operator_status_view, transitions
 
 FIELD_MANAGER = "rlkube-operator"
@@ -81,6 +82,10 @@ class Config:
     status_delay_s: float = 0.5
     # False when watching an explicit namespace list: then Kopf needs no cluster-scoped reads at all.
     scan_cluster: bool = True
+    # The admin policy: what RLJobs may ask for, per namespace.
+    policy: PolicySet = field(default_factory=PolicySet)
+    # Cluster-wide mode: namespaces never served (every watch filters them out server-side).
+    exclude_namespaces: tuple[str, ...] = ()
 
 
 @dataclass
