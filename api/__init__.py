@@ -1,12 +1,23 @@
-"""The RLJob API (rlkube.io/v1alpha1): models, validation, loading; shared by operator and runtime."""
+"""The RLJob API (rlkube.io/v1alpha1), the contract shared by operator and runtime.
 
-from .load import dump_resolved, load_rljob, parse_rljob, resolve, to_dict
+Models, validation and loading; the admin's render defaults; the platform env tables; and
+`contract`, the names both halves agree on. Imports nothing from rlkube.operator or rlkube.runtime.
+"""
+
+from . import contract
+from .contract import API_VERSION, GROUP, KIND, PLURAL, VERSION
+from .defaults import RenderDefaults
+from .load import (
+    as_resolved,
+    dump_resolved,
+    is_resolved,
+    load_resolved,
+    load_rljob,
+    parse_rljob,
+    resolve,
+    to_dict,
+)
 from .models import (
-    API_VERSION,
-    GROUP,
-    KIND,
-    PLURAL,
-    VERSION,
     AlgorithmSpec,
     AsyncSpec,
     CheckpointSpec,
@@ -53,15 +64,20 @@ __all__ = [
     "RLJob",
     "RLJobSpec",
     "RLJobStatus",
+    "RenderDefaults",
     "RolloutSpec",
     "TrainerSpec",
     "TrainingSpec",
     "WeightSyncSpec",
+    "as_resolved",
     "check",
     "colocated",
+    "contract",
     "dump_resolved",
     "effective_async",
     "gpu_resource",
+    "is_resolved",
+    "load_resolved",
     "load_rljob",
     "parse_rljob",
     "ray_resource_name",

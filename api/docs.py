@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from .defaults import RenderDefaults
 from .validation import IMMUTABLE_FIELDS, MAX_RLJOB_NAME, RULES
 
 INTRO = """\
@@ -76,14 +77,15 @@ RAYJOB. A CRD column cannot add or format numbers, so two columns read status fi
 - **Kueue.** When the RLJob carries `kueue.x-k8s.io/queue-name` the label (and the other
   `kueue.x-k8s.io/` labels) pass to the RayJob and rlkube leaves `RayJob.spec.suspend` out of its
   applied manifest, so Kueue alone owns it (`Children.manage_suspend` is false). `spec.suspend`
-  of such an RLJob is ignored; stop a queued job through Kueue. Without the label,
+  of such an RLJob is ignored (the operator posts a `SuspendIgnored` Warning Event on the RLJob
+  saying so); stop a queued job through Kueue. Without the label,
   `spec.suspend` maps to `RayJob.spec.suspend` (KubeRay deletes the cluster and gives the GPUs back).
 - **Names.** RLJob names are limited to {max_name} characters because the name is the
   `rlkube.io/rljob` label value on every child. KubeRay limits RayJob names to 47 characters
   and DNS-1035 labels: longer or digit-leading names become a deterministic
   `<prefix>-<8 hex of sha256>`.
 - **Env.** Every Ray container (head and workers) gets, in this order of precedence (last wins):
-  the platform layer's values (`rlkube.runtime.platform.env.ray_container_env(vendor, engine)`),
+  the platform layer's values (`rlkube.api.platform_env.ray_container_env(vendor, engine)`),
   the operator's admin defaults (Helm values), `spec.env`, then `RLKUBE_RLJOB_NAME`/`NAMESPACE`
   (not overridable). `ROCR_VISIBLE_DEVICES` is never rendered and is refused in `spec.env`.
 - **Immutability.** {immutable} cannot change after creation (a CEL `self == oldSelf` rule):
@@ -92,11 +94,14 @@ RAYJOB. A CRD column cannot add or format numbers, so two columns read status fi
 
 ## What an RLJob renders (rlkube.operator.render)
 
-`render_children(job, name=, namespace=, uid=, operator_image_defaults=)` is pure (no API calls)
-and returns, all owner-referenced to the RLJob (`controller: true`, `blockOwnerDeletion: true`) and
-labelled `app.kubernetes.io/managed-by: rlkube`, `rlkube.io/rljob: <name>`:
+The operator validates the RLJob once (`Valid` condition) and resolves it once
+(`rlkube.api.resolve`), then `render_children(resolved, defaults)` (pure, no API calls; one builder
+per child kind: `config`, `rbac`, `rayjob`) returns, all owner-referenced to the RLJob
+(`controller: true`, `blockOwnerDeletion: true`) and labelled `app.kubernetes.io/managed-by: rlkube`,
+`rlkube.io/rljob: <name>`:
 
-- ConfigMap `<name>-config` with `rljob.yaml` = `dump_resolved(job)`, mounted read-only at
+- ConfigMap `<name>-config` with `rljob.yaml` = `dump_resolved(job)` (marked with the
+  `rlkube.io/resolved` annotation, so `rlkube-train` takes it as it is), mounted read-only at
   `/etc/rlkube` on every Ray container;
 - ServiceAccount `<name>-runtime`, Role `<name>-runtime` (get on `rljobs`, get/patch on
   `rljobs/status`, both with `resourceNames: [<name>]`) and its RoleBinding;
@@ -169,12 +174,10 @@ def _rows(node: dict[str, Any], prefix: str, required: set[str]) -> list[str]:
 
 
 def _render_defaults_table() -> str:
-    """The admin defaults' keys, read from the renderer's model so the table cannot drift."""
-    from rlkube.operator.render import RenderDefaults
-
+    """The admin defaults' keys, read from the model the renderer takes so the table cannot drift."""
     rows = ["| key | default | description |", "|---|---|---|"]
     for name, f in RenderDefaults.model_fields.items():
-        default = f.default_factory() if f.default_factory is not None else f.default
+        default = f.get_default(call_default_factory=True)
         shown = "" if default is None else f"`{json.dumps(default)}`"
         rows.append(f"| `{f.alias or name}` | {shown} | {f.description or ''} |")
     return "\n".join(rows)

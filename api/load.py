@@ -1,8 +1,9 @@
 """Reading and writing RLJobs: kubectl-style YAML in, the resolved spec (defaults applied) out.
 
-The operator writes `dump_resolved(job)` into the job's ConfigMap; the pods mount it and
-`rlkube-train --rljob <file>` reads it back with `load_rljob`, as does a local run from the
-user's own YAML. Both shapes load through the same function.
+The operator validates and resolves an RLJob once, at the edge, and writes `dump_resolved(job)`
+into the job's ConfigMap; the pods mount it and `rlkube-train --rljob <file>` reads it back with
+`load_resolved`, which takes a resolved file as it is and validates and resolves a user's own YAML
+(a local run) once. `resolve` marks its output (contract.RESOLVED_ANNOTATION) so nobody redoes it.
 """
 
 from __future__ import annotations
@@ -12,18 +13,10 @@ from typing import Any
 
 import yaml
 
-from .models import (
-    API_VERSION,
-    KIND,
-    AsyncSpec,
-    RLJob,
-    Toleration,
-    colocated,
-    gpu_resource,
-)
+from .contract import API_VERSION, CHECKPOINT_MOUNT, KIND, RESOLVED_ANNOTATION
+from .models import AsyncSpec, RLJob, Toleration, colocated, gpu_resource
 from .validation import check
 
-DEFAULT_CHECKPOINT_MOUNT = "/checkpoints"
 # Metadata kept in the resolved file: enough for the runtime to find and patch its RLJob.
 _KEPT_METADATA = ("name", "namespace", "uid", "generation", "labels")
 
@@ -59,7 +52,8 @@ def resolve(job: RLJob) -> RLJob:
     """A copy with every effective default written out, so the runtime never guesses.
 
     Fills: async knobs in async modes, the GPU resource name, the default GPU toleration,
-    the colocated rollout's share of the trainer GPUs, and the checkpoint mount path.
+    the colocated rollout's share of the trainer GPUs, the checkpoint mount path, and the advantage
+    estimator, policy loss and loss aggregation `algorithm.name` implies.
     """
     spec = job.spec.model_copy(deep=True)
     if spec.training.mode != "sync" and spec.async_ is None:
@@ -76,11 +70,33 @@ def resolve(job: RLJob) -> RLJob:
     if spec.training.mode == "separate_async" and spec.rollout.gpus_per_replica is None:
         spec.rollout.gpus_per_replica = 0  # only reachable with vendor cpu (validation refuses it on GPUs)
     if spec.checkpoint.persistent_volume_claim and spec.checkpoint.path is None:
-        spec.checkpoint.path = DEFAULT_CHECKPOINT_MOUNT
+        spec.checkpoint.path = CHECKPOINT_MOUNT
     if spec.model.tokenizer_path is None:
         spec.model.tokenizer_path = spec.model.path
+    algo = spec.algorithm
+    algo.advantage_estimator = algo.effective_advantage_estimator  # type: ignore[assignment]
+    algo.policy_loss = algo.effective_policy_loss  # type: ignore[assignment]
+    algo.loss_aggregation = algo.effective_loss_aggregation  # type: ignore[assignment]
     metadata = {k: job.metadata[k] for k in _KEPT_METADATA if k in job.metadata}
+    metadata["annotations"] = {RESOLVED_ANNOTATION: "true"}
     return RLJob(metadata=metadata, spec=spec)
+
+
+def is_resolved(job: RLJob) -> bool:
+    """True for the output of `resolve` (also after a round trip through its YAML)."""
+    return (job.metadata.get("annotations") or {}).get(RESOLVED_ANNOTATION) == "true"
+
+
+def as_resolved(job: RLJob) -> RLJob:
+    """`job` when it is already resolved (the operator's ConfigMap), else `resolve(job)` (a user's file)."""
+    return job if is_resolved(job) else resolve(job)
+
+
+def load_resolved(path: str | Path) -> RLJob:
+    """What `rlkube-train --rljob` runs: the operator's ConfigMap file as it is (validated and
+    resolved at the edge already), or a user's own file validated and resolved here, once."""
+    job = load_rljob(path, validate=False)
+    return job if is_resolved(job) else resolve(check(job))
 
 
 def to_dict(job: RLJob) -> dict[str, Any]:
@@ -89,5 +105,5 @@ def to_dict(job: RLJob) -> dict[str, Any]:
 
 
 def dump_resolved(job: RLJob) -> str:
-    """YAML of `resolve(job)` without status: what the operator puts in the ConfigMap."""
-    return yaml.safe_dump(to_dict(resolve(job)), sort_keys=False)
+    """YAML of the resolved job without status: what the operator puts in the ConfigMap."""
+    return yaml.safe_dump(to_dict(as_resolved(job).model_copy(update={"status": None})), sort_keys=False)

@@ -13,30 +13,26 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
-from rlkube.runtime.platform.env import gpu_resource_name
+from .algorithms import (
+    AdvantageEstimatorName,
+    AlgorithmName,
+    LossAggregationName,
+    PolicyLossName,
+    RolloutCorrectionMode,
+    estimator_for,
+    loss_aggregation_for,
+    policy_loss_for,
+)
+from .contract import CONDITION_TYPES, PHASES, ConditionStatus, Engine, Phase, Vendor
+from .platform_env import gpu_resource_name
 
-GROUP = "rlkube.io"
-VERSION = "v1alpha1"
-API_VERSION = f"{GROUP}/{VERSION}"
-KIND = "RLJob"
-PLURAL = "rljobs"
-SINGULAR = "rljob"
-SHORT_NAMES = ["rlj"]
-
-Vendor = Literal["amd", "nvidia", "cpu"]
-Engine = Literal["vllm", "sglang", "hf"]
 Mode = Literal["sync", "colocate_async", "separate_async"]
-AlgorithmName = Literal["grpo", "dapo", "ppo"]
 Strategy = Literal["fsdp2", "megatron"]
 Dtype = Literal["bfloat16", "float16", "float32"]
-LossAggregation = Literal[
-    "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-]
 KlType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"]
 LrSchedule = Literal["constant", "cosine", "linear"]
 WeightSyncMethod = Literal["full", "delta_sharded"]
 StalePolicy = Literal["drop", "wait"]
-Phase = Literal["Pending", "Provisioning", "Running", "Succeeded", "Failed", "Suspended"]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 
 # Kubernetes quantity (same grammar the API server accepts for resources, kept simple).
@@ -163,19 +159,50 @@ class KlSpec(_Model):
     kl_penalty: KlType = Field(default="kl", description="KL estimator of the in-reward penalty.")
 
 
+class RolloutCorrectionSpec(_Model):
+    """Importance weights between the rollout engine's log-probs and the trainer's old log-probs.
+
+    Per token rho = pi_old / pi_rollout (the engine reports the log-prob of every token it sampled):
+    corrects for the engine's numerics and, in the async modes, for stale or mixed-version samples.
+    """
+
+    mode: RolloutCorrectionMode = Field(
+        default="tis",
+        description="tis: weight each token's loss by min(rho, threshold) (truncated IS); mis: drop tokens "
+        "with rho outside [1/threshold, threshold] from the loss and weight the rest by rho (masked IS); "
+        "off. Present means tis unless set.",
+    )
+    threshold: float = Field(
+        default=2.0, gt=1.0, le=1.0e6, description="The bound C of tis/mis (verl rollout_is_threshold)."
+    )
+
+
 class AlgorithmSpec(_Model):
     """The RL algorithm and its loss."""
 
     name: AlgorithmName = Field(
         default="grpo",
         description="grpo (group-normalised advantages), dapo (GRPO + clip-higher, dynamic sampling, "
-        "overlong shaping, token-mean), or ppo (GAE with a critic). Immutable.",
+        "overlong shaping, token-mean), or ppo (GAE with a critic). Sets the defaults of "
+        "advantageEstimator and policyLoss. Immutable.",
+    )
+    advantage_estimator: AdvantageEstimatorName | None = Field(
+        default=None,
+        description="gae (with a critic), grpo (group mean/std), rloo (leave-one-out group mean) or "
+        "reinforce_pp (returns whitened over the batch). Default from name: grpo/dapo -> grpo, "
+        "ppo -> gae. Immutable.",
+    )
+    policy_loss: PolicyLossName | None = Field(
+        default=None,
+        description="vanilla (PPO-clip with clip-higher and dual clip), gspo (sequence-level ratio, "
+        "arXiv 2507.18071) or cispo (clipped, detached IS weight on REINFORCE, arXiv 2506.13585). "
+        "Default vanilla.",
     )
     group_size: int = Field(
         default=8,
         ge=1,
         le=1024,
-        description="Responses sampled per prompt (rollout.n); at least 2 for grpo/dapo.",
+        description="Responses sampled per prompt (rollout.n); at least 2 for the grpo and rloo estimators.",
     )
     clip_ratio_low: float = Field(default=0.2, ge=0.0, le=1.0, description="PPO clip epsilon below 1.")
     clip_ratio_high: float = Field(
@@ -184,8 +211,16 @@ class AlgorithmSpec(_Model):
     clip_ratio_c: float = Field(
         default=3.0, ge=1.0, description="Dual-clip bound for negative advantages (must be > 1)."
     )
-    loss_aggregation: LossAggregation = Field(
-        default="token-mean", description="How token losses are averaged (verl loss_agg_mode)."
+    loss_aggregation: LossAggregationName | None = Field(
+        default=None,
+        description="How token losses are reduced (verl loss_agg_mode): token-mean, token-sum, "
+        "seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm (Dr. GRPO). Default "
+        "token-mean; seq-mean-token-mean for gspo (its only accepted value there).",
+    )
+    rollout_correction: RolloutCorrectionSpec | None = Field(
+        default=None,
+        description="Truncated or masked importance sampling between the engine's and the trainer's "
+        "log-probs (verl rollout_correction); absent means off.",
     )
     overlong_buffer: OverlongBuffer | None = Field(
         default=None, description="DAPO overlong reward shaping; absent means off."
@@ -203,6 +238,26 @@ class AlgorithmSpec(_Model):
     ppo_epochs: int = Field(default=1, ge=1, le=64, description="Passes over each batch per step.")
     temperature: float = Field(default=1.0, ge=0.0, description="Sampling temperature of the rollout.")
     top_p: float = Field(default=1.0, ge=0.0, le=1.0, description="Nucleus sampling top-p of the rollout.")
+
+    @property
+    def effective_advantage_estimator(self) -> str:
+        """advantageEstimator, or the one `name` implies."""
+        return estimator_for(self.name, self.advantage_estimator)
+
+    @property
+    def effective_policy_loss(self) -> str:
+        """policyLoss, or the one `name` implies."""
+        return policy_loss_for(self.name, self.policy_loss)
+
+    @property
+    def effective_loss_aggregation(self) -> str:
+        """lossAggregation, or the policy loss's default."""
+        return loss_aggregation_for(self.effective_policy_loss, self.loss_aggregation)
+
+    @property
+    def effective_rollout_correction(self) -> RolloutCorrectionSpec:
+        """The rollout correction in force (mode off when absent)."""
+        return self.rollout_correction or RolloutCorrectionSpec(mode="off")
 
 
 class TrainingSpec(_Model):
@@ -511,10 +566,8 @@ class RLJobSpec(_Model):
 class Condition(_Model):
     """A standard Kubernetes condition."""
 
-    type: str = Field(
-        max_length=316, description="Valid, ClusterReady, Running, Succeeded, Failed, Suspended."
-    )
-    status: Literal["True", "False", "Unknown"] = Field(description="True, False or Unknown.")
+    type: str = Field(max_length=316, description=", ".join(CONDITION_TYPES) + ".")
+    status: ConditionStatus = Field(description="True, False or Unknown.")
     reason: str = Field(default="", max_length=1024, description="CamelCase reason.")
     message: str = Field(default="", max_length=32768, description="Human-readable detail.")
     last_transition_time: str | None = Field(default=None, description="When status last changed (RFC 3339).")
@@ -555,9 +608,7 @@ class Progress(_Model):
 class RLJobStatus(_Model):
     """Observed state, written by the operator (and progress by the runtime)."""
 
-    phase: Phase | None = Field(
-        default=None, description="Pending, Provisioning, Running, Succeeded, Failed, Suspended."
-    )
+    phase: Phase | None = Field(default=None, description=", ".join(PHASES) + ".")
     observed_generation: int | None = Field(
         default=None, ge=0, description="metadata.generation last acted on."
     )

@@ -12,15 +12,23 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from .algorithms import DEFAULT_ESTIMATOR, GROUP_ESTIMATORS, POLICY_LOSS_AGGREGATION
+from .contract import (
+    CHECKPOINT_MOUNT,
+    CHECKPOINT_VOLUME,
+    CONFIG_DIR,
+    CONFIG_VOLUME,
+    FORBIDDEN_ENV,
+    RESERVED_ENV_PREFIX,
+    SHM_PATH,
+    SHM_VOLUME,
+)
 from .models import RLJob, RLJobSpec, colocated, effective_async
 
 # Volume names and paths the renderer uses itself; user mounts must not collide with them.
-RESERVED_VOLUME_NAMES = frozenset({"dshm", "rljob-config", "checkpoints"})
-RESERVED_MOUNT_PATHS = frozenset({"/dev/shm", "/etc/rlkube"})
-# Env the platform sets and a user must not: visibility conflicts and the status pusher's identity.
-FORBIDDEN_ENV = "ROCR_VISIBLE_DEVICES"
-RESERVED_ENV_PREFIX = "RLKUBE_RLJOB_"
-MAX_RLJOB_NAME = 63  # the name becomes a label value (rlkube.io/rljob) on every child
+RESERVED_VOLUME_NAMES = frozenset({SHM_VOLUME, CONFIG_VOLUME, CHECKPOINT_VOLUME})
+RESERVED_MOUNT_PATHS = frozenset({SHM_PATH, CONFIG_DIR})
+MAX_RLJOB_NAME = 63  # the name becomes a label value (contract.JOB_LABEL) on every child
 
 
 @dataclass(frozen=True)
@@ -54,6 +62,36 @@ class Rule:
 
 def _separate(s: RLJobSpec) -> bool:
     return s.training.mode == "separate_async"
+
+
+def _cel_one_of(field: str, values: list[str] | tuple[str, ...]) -> str:
+    return " || ".join(f"{field} == '{v}'" for v in values)
+
+
+# CEL: "the effective advantage estimator compares responses within a group", from the API's tables.
+_GROUP_ALGORITHMS = [n for n, e in DEFAULT_ESTIMATOR.items() if e in GROUP_ESTIMATORS]
+_GROUP_ESTIMATOR_CEL = (
+    "(has(self.algorithm.advantageEstimator) ? "
+    f"{_cel_one_of('self.algorithm.advantageEstimator', GROUP_ESTIMATORS)} : "
+    f"{_cel_one_of('self.algorithm.name', _GROUP_ALGORITHMS)})"
+)
+
+
+def _loss_aggregation_rule(loss: str, agg: str) -> Rule:
+    """A policy loss that is defined with one aggregation refuses any other written explicitly."""
+
+    def check(s: RLJobSpec) -> bool:
+        a = s.algorithm
+        return a.policy_loss != loss or a.loss_aggregation is None or a.loss_aggregation == agg
+
+    return Rule(
+        "algorithm.lossAggregation",
+        f"policyLoss {loss} is defined with lossAggregation {agg} (its paper's objective, and verl's): "
+        f"remove lossAggregation or set it to {agg}",
+        check,
+        f"!has(self.algorithm.policyLoss) || self.algorithm.policyLoss != '{loss}' || "
+        f"!has(self.algorithm.lossAggregation) || self.algorithm.lossAggregation == '{agg}'",
+    )
 
 
 RULES: list[Rule] = [
@@ -218,11 +256,15 @@ RULES: list[Rule] = [
     ),
     Rule(
         "algorithm.groupSize",
-        "algorithm.groupSize must be at least 2 for grpo and dapo (group-normalised advantages need two "
-        "responses per prompt): raise groupSize or use algorithm.name ppo",
-        lambda s: s.algorithm.name == "ppo" or s.algorithm.group_size >= 2,
-        "self.algorithm.name == 'ppo' || self.algorithm.groupSize >= 2",
+        "algorithm.groupSize must be at least 2 for the grpo and rloo advantage estimators (grpo and dapo "
+        "use grpo): a group baseline needs two responses per prompt; raise groupSize or use "
+        "advantageEstimator gae or reinforce_pp",
+        lambda s: (
+            s.algorithm.effective_advantage_estimator not in GROUP_ESTIMATORS or s.algorithm.group_size >= 2
+        ),
+        f"!{_GROUP_ESTIMATOR_CEL} || self.algorithm.groupSize >= 2",
     ),
+    *(_loss_aggregation_rule(loss, agg) for loss, agg in POLICY_LOSS_AGGREGATION.items()),
     Rule(
         "algorithm.overlongBuffer.length",
         "algorithm.overlongBuffer.length must be smaller than data.maxResponseLength: shorten the buffer",
@@ -249,17 +291,17 @@ RULES: list[Rule] = [
     ),
     Rule(
         "env",
-        "env must not set ROCR_VISIBLE_DEVICES: together with HIP/CUDA_VISIBLE_DEVICES Ray refuses to start, "
+        f"env must not set {FORBIDDEN_ENV}: together with HIP/CUDA_VISIBLE_DEVICES Ray refuses to start, "
         "and rlkube manages GPU visibility; remove it",
         lambda s: all(e.name != FORBIDDEN_ENV for e in s.env),
-        "!has(self.env) || self.env.all(e, e.name != 'ROCR_VISIBLE_DEVICES')",
+        f"!has(self.env) || self.env.all(e, e.name != '{FORBIDDEN_ENV}')",
     ),
     Rule(
         "env",
-        "env must not set RLKUBE_RLJOB_* variables: rlkube sets them so the runtime can report status; "
-        "remove them",
+        f"env must not set {RESERVED_ENV_PREFIX}* variables: rlkube sets them so the runtime can report "
+        "status; remove them",
         lambda s: all(not e.name.startswith(RESERVED_ENV_PREFIX) for e in s.env),
-        "!has(self.env) || self.env.all(e, !e.name.startsWith('RLKUBE_RLJOB_'))",
+        f"!has(self.env) || self.env.all(e, !e.name.startsWith('{RESERVED_ENV_PREFIX}'))",
     ),
     Rule(
         "mounts",
@@ -274,6 +316,8 @@ RULES: list[Rule] = [
 IMMUTABLE_FIELDS: dict[str, str] = {
     "training.mode": "training.mode is immutable: delete and recreate the RLJob to change it",
     "algorithm.name": "algorithm.name is immutable: delete and recreate the RLJob to change it",
+    "algorithm.advantageEstimator": "algorithm.advantageEstimator is immutable (gae trains a critic): delete "
+    "and recreate the RLJob to change it",
     "gpu.vendor": "gpu.vendor is immutable: delete and recreate the RLJob to change it",
 }
 
@@ -325,7 +369,7 @@ def _python_only(spec: RLJobSpec) -> list[FieldError]:
 
 
 def _ckpt_path(spec: RLJobSpec) -> str:
-    return (spec.checkpoint.path or "/checkpoints").rstrip("/") or "/"
+    return (spec.checkpoint.path or CHECKPOINT_MOUNT).rstrip("/") or "/"
 
 
 def validate(spec: RLJobSpec) -> list[FieldError]:

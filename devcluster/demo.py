@@ -29,16 +29,25 @@ from typing import Any, TypeVar
 
 import yaml
 
+from rlkube.api.contract import (
+    CONFIG_DIR,
+    CONFIG_FILE,
+    CONFIG_VOLUME,
+    CRD_NAME,
+    ENV_RLJOB_NAME,
+    ENV_RLJOB_NAMESPACE,
+    PLURAL,
+)
+
 from .binaries import REPO_ROOT
 from .cluster import ClusterConfig, DevCluster, default_state_dir
 from .errors import DevClusterError
-from .testing import Kubectl, KubectlError
+from .testing import Kubectl, KubectlError, token_kubeconfig
 
 T = TypeVar("T")
 DEFAULT_EXAMPLE = REPO_ROOT / "examples" / "tiny-arith.yaml"
 DEFAULT_NAMESPACE = "rlkube-demo"
-CRD_FILE = REPO_ROOT / "crds" / "rljobs.rlkube.io.yaml"
-CONFIG_VOLUME = "rljob-config"  # the renderer's ConfigMap volume on every Ray pod
+CRD_FILE = REPO_ROOT / "crds" / f"{CRD_NAME}.yaml"
 LOG_TAIL_LINES = 40
 
 
@@ -182,24 +191,6 @@ def prepare_task(example: dict[str, Any]) -> float | None:
 # --------------------------------------------------------------------------------------- kubernetes
 
 
-def token_kubeconfig(kubectl: Kubectl, path: Path, namespace: str, sa: str) -> None:
-    """A kubeconfig that authenticates as ServiceAccount namespace/sa with a real bound token."""
-    token = kubectl("-n", namespace, "create", "token", sa, "--duration=2h").stdout.strip()
-    admin = yaml.safe_load(kubectl.kubeconfig.read_text())
-    ctx = next(c for c in admin["contexts"] if c["name"] == admin["current-context"])["context"]
-    cluster = next(c for c in admin["clusters"] if c["name"] == ctx["cluster"])
-    cfg = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "rlkube-dev", "cluster": cluster["cluster"]}],
-        "users": [{"name": sa, "user": {"token": token}}],
-        "contexts": [{"name": sa, "context": {"cluster": "rlkube-dev", "user": sa, "namespace": namespace}}],
-        "current-context": sa,
-    }
-    path.write_text(yaml.safe_dump(cfg))
-    path.chmod(0o600)
-
-
 def _rayjob_status(kubectl: Kubectl, ns: str, rayjob: str, status: dict[str, Any]) -> None:
     """Write RayJob.status the way KubeRay does (kwok runs no submitter, so no one else will)."""
     kubectl(
@@ -267,7 +258,7 @@ def _exists(kubectl: Kubectl, ns: str, kind: str, name: str) -> bool:
 
 
 def _crd_established(kubectl: Kubectl) -> bool:
-    conds = (kubectl.json("get", "crd", "rljobs.rlkube.io").get("status") or {}).get("conditions") or []
+    conds = (kubectl.json("get", "crd", CRD_NAME).get("status") or {}).get("conditions") or []
     return any(c["type"] == "Established" and c["status"] == "True" for c in conds)
 
 
@@ -278,7 +269,7 @@ class RowPrinter:
         self.kubectl, self.ns, self.header_shown = kubectl, ns, False
 
     def show(self) -> None:
-        out = self.kubectl("-n", self.ns, "get", "rljobs", check=False, timeout=20)
+        out = self.kubectl("-n", self.ns, "get", PLURAL, check=False, timeout=20)
         lines = out.stdout.splitlines()
         if out.returncode != 0 or not lines:
             return
@@ -307,7 +298,7 @@ def _entrypoint_argv(rayjob: dict[str, Any], cm: dict[str, Any], workdir: Path) 
     return shlex.split(entry), config_dir
 
 
-def _container_env(rayjob: dict[str, Any], config_dir: Path, mount: str = "/etc/rlkube") -> dict[str, str]:
+def _container_env(rayjob: dict[str, Any], config_dir: Path, mount: str = CONFIG_DIR) -> dict[str, str]:
     """The head container's rendered env (identity vars, platform vars) with local config paths."""
     head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
     return {e["name"]: str(e.get("value", "")).replace(mount, str(config_dir)) for e in head.get("env", [])}
@@ -415,7 +406,7 @@ def run_demo(args: argparse.Namespace) -> int:
             shutil.rmtree(workdir)
         workdir.mkdir(parents=True)
         argv, config_dir = _entrypoint_argv(rayjob, cm, workdir)
-        resolved = yaml.safe_load((config_dir / "rljob.yaml").read_text())
+        resolved = yaml.safe_load((config_dir / CONFIG_FILE).read_text())
         ckpt = ((resolved.get("spec") or {}).get("checkpoint") or {}).get("path")
         if ckpt and Path(ckpt).exists():
             shutil.rmtree(ckpt)  # a finished earlier run's checkpoint would make this one resume at the end
@@ -423,9 +414,9 @@ def run_demo(args: argparse.Namespace) -> int:
         sa_config = workdir / "runtime-kubeconfig"
         token_kubeconfig(kubectl, sa_config, ns, sa)
         as_sa = Kubectl(sa_config)
-        can_patch = as_sa("auth", "can-i", "patch", f"rljobs.rlkube.io/{name}", "--subresource=status",
+        can_patch = as_sa("auth", "can-i", "patch", f"{CRD_NAME}/{name}", "--subresource=status",
                           check=False).stdout.strip()  # fmt: skip
-        can_delete = as_sa("auth", "can-i", "delete", "rljobs.rlkube.io", check=False).stdout.strip()
+        can_delete = as_sa("auth", "can-i", "delete", CRD_NAME, check=False).stdout.strip()
         say(
             f"    credentials: a token of ServiceAccount {ns}/{sa} (may patch rljob/{name} status: "
             f"{can_patch}; may delete RLJobs: {can_delete})"
@@ -434,8 +425,8 @@ def run_demo(args: argparse.Namespace) -> int:
         env.update(_container_env(rayjob, config_dir))
         env.update(
             {
-                "RLKUBE_RLJOB_NAME": env.get("RLKUBE_RLJOB_NAME", name),
-                "RLKUBE_RLJOB_NAMESPACE": env.get("RLKUBE_RLJOB_NAMESPACE", ns),
+                ENV_RLJOB_NAME: env.get(ENV_RLJOB_NAME, name),
+                ENV_RLJOB_NAMESPACE: env.get(ENV_RLJOB_NAMESPACE, ns),
                 "KUBECONFIG": str(sa_config),
                 "RLKUBE_KUBECONFIG": str(sa_config),
                 "PYTHONSAFEPATH": "1",

@@ -102,6 +102,26 @@ class Kubectl:
         return self("apply", "--server-side", "-f", "-", *args, input=text, check=check)
 
 
+def token_kubeconfig(kubectl: Kubectl, path: Path, namespace: str, sa: str, duration: str = "2h") -> Kubectl:
+    """Write a kubeconfig that authenticates as ServiceAccount namespace/sa with a real bound token
+    (the credentials a pod of that ServiceAccount gets) and return a kubectl that uses it."""
+    token = kubectl("-n", namespace, "create", "token", sa, f"--duration={duration}").stdout.strip()
+    admin = yaml.safe_load(kubectl.kubeconfig.read_text())
+    ctx = next(c for c in admin["contexts"] if c["name"] == admin["current-context"])["context"]
+    cluster = next(c for c in admin["clusters"] if c["name"] == ctx["cluster"])
+    cfg = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [{"name": "rlkube-dev", "cluster": cluster["cluster"]}],
+        "users": [{"name": sa, "user": {"token": token}}],
+        "contexts": [{"name": sa, "context": {"cluster": "rlkube-dev", "user": sa, "namespace": namespace}}],
+        "current-context": sa,
+    }
+    path.write_text(yaml.safe_dump(cfg))
+    path.chmod(0o600)
+    return Kubectl(path)
+
+
 def to_yaml(obj: Any) -> str:
     """Render a dict, an official-client model or anything else as YAML for failure messages."""
     if hasattr(obj, "to_dict") and hasattr(obj, "openapi_types"):

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from rlkube.api.contract import API_VERSION, KIND
 from rlkube.runtime.data import make_arith_records, write_jsonl
 from rlkube.runtime.data.records import Record
 
@@ -180,10 +181,33 @@ def _all_records(max_operand: int, ops: str, seed: int) -> list[Record]:
     return make_arith_records(total, seed=seed, max_operand=max_operand, ops=ops)
 
 
+# The demo's trainer pod: one CPU and 2Gi (the learning tests keep the API defaults instead).
+DEMO_TRAINER: dict[str, Any] = {"replicas": 1, "gpusPerReplica": 0, "cpusPerReplica": 1, "memory": "2Gi"}
+
+
+def merge_spec(spec: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    """`spec` with each `over` section merged one level deep (a non-dict value replaces the section)."""
+    out = dict(spec)
+    for k, v in over.items():
+        out[k] = {**out[k], **v} if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
 def tiny_rljob(
-    task: TinyTask, *, name: str = "tiny-arith", mode: str = "sync", steps: int = 150
+    task: TinyTask,
+    *,
+    name: str = "tiny-arith",
+    mode: str = "sync",
+    steps: int = 150,
+    trainer: dict[str, Any] | None = None,
+    **over: Any,
 ) -> dict[str, Any]:
-    """The RLJob (wire form) that trains the tiny task on CPU: what the demo applies and runs."""
+    """The RLJob (wire form) that trains the tiny task on CPU: what the demo applies and runs, and the
+    one the learning and trainer tests start from.
+
+    `trainer` replaces the trainer block (default DEMO_TRAINER: the resources it asks Ray for);
+    `over` merges into spec sections one level deep (e.g. training={"totalSteps": 4}).
+    """
     spec: dict[str, Any] = {
         "model": {"path": str(task.model_dir), "dtype": "float32", "gradientCheckpointing": False},
         "data": {
@@ -205,15 +229,15 @@ def tiny_rljob(
             "lrSchedule": "cosine",
             "evalIntervalSteps": 10,
         },
-        "trainer": {"replicas": 1, "gpusPerReplica": 0, "cpusPerReplica": 1, "memory": "2Gi"},
+        "trainer": dict(DEMO_TRAINER if trainer is None else trainer),
         "rollout": {"engine": "hf"},
         "gpu": {"vendor": "cpu"},
         "checkpoint": {"intervalSteps": 50},
     }
     if mode == "separate_async":
-        spec["training"]["trainBatchSize"] = 32
         spec["async"] = {"stalenessThreshold": 1.0, "parameterSyncStep": 2}
-    return {"apiVersion": "rlkube.io/v1alpha1", "kind": "RLJob", "metadata": {"name": name}, "spec": spec}
+    spec = merge_spec(spec, over)
+    return {"apiVersion": API_VERSION, "kind": KIND, "metadata": {"name": name}, "spec": spec}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,6 +77,8 @@ class JobState:
     mode: str = ""
     gpus: int | None = None
     running_seen: bool = False
+    # The renderer's warnings already posted as Events (posted again only when they change).
+    spec_warnings: list[Any] = field(default_factory=list)
 
 
 @dataclass

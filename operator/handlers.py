@@ -13,12 +13,13 @@ from typing import Any
 
 import kopf
 
+from rlkube.api.contract import ANNOTATION_PREFIX, FINALIZER, GROUP, JOB_LABEL, PLURAL, VERSION
+
 from . import metrics
 from .cache import Key
 from .kube import Kube, KubeError, make_session
-from .reconciler import FINALIZER, JOB_LABEL, Reconciler
+from .reconciler import Reconciler
 
-GROUP, VERSION, PLURAL = "rlkube.io", "v1alpha1", "rljobs"
 RLJOB = (GROUP, VERSION, PLURAL)
 RAYJOB = ("ray.io", "v1", "rayjobs")
 RAYCLUSTER = ("ray.io", "v1", "rayclusters")
@@ -49,9 +50,9 @@ def _key(body: Any) -> Key:
 async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
     """Finalizer and bookkeeping under rlkube.io; server-side selectors so we watch only what we need."""
     settings.persistence.finalizer = FINALIZER
-    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix="rlkube.io")
+    settings.persistence.progress_storage = kopf.AnnotationsProgressStorage(prefix=ANNOTATION_PREFIX)
     settings.persistence.diffbase_storage = kopf.AnnotationsDiffBaseStorage(
-        prefix="rlkube.io", key="last-handled-configuration"
+        prefix=ANNOTATION_PREFIX, key="last-handled-configuration"
     )
     settings.posting.enabled = False  # our own Events, one per transition, not one per handler run
     settings.watching.label_selectors[PODS] = "ray.io/cluster"
@@ -86,7 +87,7 @@ async def login(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> k
     )
 
 
-@kopf.on.probe(id="rljobs", registry=REGISTRY)
+@kopf.on.probe(id=PLURAL, registry=REGISTRY)
 def probe_rljobs(memo: kopf.Memo, **_: Any) -> int:
     return len(_rec(memo).cache.rljobs)
 

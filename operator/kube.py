@@ -16,6 +16,8 @@ from urllib.parse import urlsplit
 import aiohttp
 import kopf
 
+from rlkube.api.contract import API_VERSION, KIND, PLURAL
+
 from . import metrics
 
 USER_AGENT = "rlkube-operator/0.1.0"
@@ -29,7 +31,7 @@ PLURALS: dict[str, tuple[str, str]] = {
     "RoleBinding": ("rbac.authorization.k8s.io/v1", "rolebindings"),
     "RayJob": ("ray.io/v1", "rayjobs"),
     "RayCluster": ("ray.io/v1", "rayclusters"),
-    "RLJob": ("rlkube.io/v1alpha1", "rljobs"),
+    KIND: (API_VERSION, PLURAL),
 }
 
 

@@ -14,10 +14,11 @@ import random
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import kopf
 import yaml
+
+from rlkube.api import RenderDefaults
 
 from . import metrics
 from .handlers import REGISTRY
@@ -92,18 +93,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def load_render_defaults(path: Path | None) -> Any:
+def load_render_defaults(path: Path | None) -> RenderDefaults | None:
     """The renderer's RenderDefaults from YAML (or None: the renderer's built-in defaults)."""
     if path is None:
         return None
-    data = yaml.safe_load(path.read_text()) or {}
-    try:
-        from rlkube.operator.render import RenderDefaults
-    except ImportError:
-        return data
-    if hasattr(RenderDefaults, "model_validate"):
-        return RenderDefaults.model_validate(data)
-    return RenderDefaults(**data)
+    return RenderDefaults.model_validate(yaml.safe_load(path.read_text()) or {})
 
 
 def peering_priority(value: str) -> int:

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
 
+from rlkube.api.contract import PHASES
+
 RECONCILES = Counter("rlkube_reconcile_total", "Reconciles run, by kind (spec | status).", ["kind"])
 RECONCILE_ERRORS = Counter("rlkube_reconcile_errors_total", "Reconciles that raised, by kind.", ["kind"])
 RECONCILE_DURATION = Histogram(
@@ -32,8 +34,6 @@ API_REQUESTS = Counter(
     "Kubernetes API requests made by this process (Kopf's and the operator's), by verb, resource, code.",
     ["verb", "resource", "code"],
 )
-
-PHASES = ("Pending", "Provisioning", "Running", "Succeeded", "Failed", "Suspended")
 
 
 def serve(port: int, addr: str = "0.0.0.0") -> None:

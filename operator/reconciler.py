@@ -18,6 +18,10 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from rlkube.api import RenderDefaults, RLJob, resolve, total_gpus, validate_rljob
+from rlkube.api.contract import KUEUE_QUEUE_LABEL, TERMINAL_PHASES, now_rfc3339, parse_rfc3339
+from rlkube.operator.render import SpecWarning, render_children
+
 from . import metrics
 from .cache import Cache, JobState, Key
 from .kube import Kube, KubeError
@@ -25,16 +29,8 @@ from .policy import PolicySet
 from .status import Observed, derive, operator_status_view, transitions
 
 FIELD_MANAGER = "rlkube-operator"
-FINALIZER = "rlkube.io/finalizer"
-KUEUE_LABELS = ("kueue.x-k8s.io/queue-name", "kueue.x-k8s.io/priority-class")
-JOB_LABEL = "rlkube.io/rljob"
-TERMINAL = ("Succeeded", "Failed")
 
 log = logging.getLogger("rlkube.operator")
-
-
-def now_rfc3339() -> str:
-    return datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
 
 def format_field_error(err: Any) -> str:
@@ -50,12 +46,13 @@ def format_field_error(err: Any) -> str:
     return str(err)
 
 
-def validate_body(body: Mapping[str, Any]) -> tuple[Any, list[str]]:
-    """(the parsed RLJob or None, error lines). Structural errors from pydantic count as field errors."""
-    from rlkube.api import models
+def validate_body(body: Mapping[str, Any]) -> tuple[RLJob | None, list[str]]:
+    """(the parsed RLJob or None, error lines). Structural errors from pydantic count as field errors.
 
+    The one validation an RLJob gets: the renderer takes the resolved result and checks nothing again.
+    """
     try:
-        job = models.RLJob.model_validate(dict(body))
+        job = RLJob.model_validate(dict(body))
     except ValidationError as exc:
         lines = []
         for e in exc.errors():
@@ -66,17 +63,14 @@ def validate_body(body: Mapping[str, Any]) -> tuple[Any, list[str]]:
             )
             lines.append(f"{loc}: {e['msg']}")
         return None, lines
-    from rlkube.api import validation
-
-    errors = list(validation.validate_rljob(job))
-    return job, [format_field_error(e) for e in errors]
+    return job, [format_field_error(e) for e in validate_rljob(job)]
 
 
 @dataclass
 class Config:
     """What the CLI decides and the handlers read (Kopf's ``memo``)."""
 
-    render_defaults: Any = None
+    render_defaults: RenderDefaults | None = None
     field_manager: str = FIELD_MANAGER
     status_workers: int = 4
     status_delay_s: float = 0.5
@@ -148,25 +142,25 @@ class Reconciler:
     async def reconcile_spec(
         self, body: Mapping[str, Any], logger: logging.Logger | logging.LoggerAdapter[Any]
     ) -> None:
-        """Validate; if valid, render and server-side apply every child. Never retried for bad input."""
-        from rlkube.api import models
-        from rlkube.operator.render import render_children
+        """Validate and resolve once; if valid, render and server-side apply every child.
 
+        Never retried for bad input. The renderer's warnings are posted as Warning Events on the RLJob
+        when they first appear (not again on every update).
+        """
         assert self.kube is not None
         meta = body["metadata"]
         key = (str(meta["namespace"]), str(meta["name"]))
         gen = int(meta.get("generation") or 1)
-        labels = dict(meta.get("labels") or {})
         state = self.cache.jobs.setdefault(key, JobState())
         state.generation = gen
-        state.kueue_managed = KUEUE_LABELS[0] in labels
+        state.kueue_managed = KUEUE_QUEUE_LABEL in (meta.get("labels") or {})
         self.cache.put_rljob(body, deleted=False)
         job, errors = validate_body(body)
         if job is not None:
             state.algorithm = job.spec.algorithm.name
             state.mode = job.spec.training.mode
-            state.gpus = int(models.total_gpus(job.spec))
-        if errors:
+            state.gpus = int(total_gpus(job.spec))
+        if errors or job is None:
             first = state.validation_errors != errors
             state.validation_errors = errors
             if first:
@@ -174,28 +168,38 @@ class Reconciler:
             self.mark(key)
             return
         state.validation_errors = []
-        children = render_children(
-            job,
-            name=key[1],
-            namespace=key[0],
-            uid=str(meta["uid"]),
-            operator_image_defaults=self.config.render_defaults,
-        )
-        objs = [prepare_child(o, name=key[1], labels=labels) for o in children.all()]
-        ray_job = next(o for o in objs if o["kind"] == "RayJob")
-        state.ray_job_name = str(ray_job["metadata"]["name"])
+        children = render_children(resolve(job), self.config.render_defaults)
+        objs = children.all()
+        state.ray_job_name = str(children.ray_job["metadata"]["name"])
         # Three waves: the RoleBinding needs its Role to exist (RBAC checks that the binder holds the
         # Role's rules, which it cannot do for a missing Role: 404), the RayJob needs them all.
         waves = [
-            [o for o in objs if o["kind"] in ("ServiceAccount", "Role", "ConfigMap")],
-            [o for o in objs if o["kind"] == "RoleBinding"],
+            [children.service_account, children.role, children.config_map],
+            [children.role_binding],
+            [children.ray_job],
         ]
         for wave in waves:
             await asyncio.gather(*(self.kube.apply(o, field_manager=self.config.field_manager) for o in wave))
-        await self.kube.apply(ray_job, field_manager=self.config.field_manager)
         state.applied_generation = gen
         log.info("applied %d children of RLJob %s/%s (generation %d)", len(objs), key[0], key[1], gen)
+        await self._post_warnings(key, body, children.warnings, state)
         self.mark(key)
+
+    async def _post_warnings(
+        self, key: Key, body: Mapping[str, Any], warnings: list[SpecWarning], state: JobState
+    ) -> None:
+        """One Warning Event per renderer warning that was not already in force for this job."""
+        assert self.kube is not None
+        new = [w for w in warnings if w not in state.spec_warnings]
+        state.spec_warnings = list(warnings)
+        involved = {"apiVersion": body["apiVersion"], "kind": body["kind"], "metadata": body["metadata"]}
+        for w in new:
+            try:
+                await self.kube.post_event(
+                    involved, type_="Warning", reason=w.reason, message=w.message, now=now_rfc3339()
+                )
+            except KubeError as exc:  # best-effort, like every Event
+                log.warning("cannot post event on %s/%s: %s", *key, exc)
 
     # ----------------------------------------------------------------------------- status
 
@@ -263,7 +267,7 @@ class Reconciler:
             out["startTime"] = now_rfc3339()
         elif current.get("startTime"):
             out["startTime"] = current["startTime"]
-        if phase in TERMINAL and state.validation_errors == [] and not current.get("completionTime"):
+        if phase in TERMINAL_PHASES and state.validation_errors == [] and not current.get("completionTime"):
             out["completionTime"] = now_rfc3339()
         elif current.get("completionTime"):
             out["completionTime"] = current["completionTime"]
@@ -276,7 +280,7 @@ class Reconciler:
             state.running_seen = True
             created = rljob["metadata"].get("creationTimestamp")
             if created:
-                t = datetime.strptime(str(created), "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=UTC)
+                t = parse_rfc3339(str(created))
                 metrics.TIME_TO_RUNNING.observe(max(0.0, (datetime.now(UTC) - t).total_seconds()))
         if old_phase and old_phase != phase:
             with contextlib.suppress(KeyError):
@@ -320,26 +324,7 @@ class Reconciler:
                 or rljob["metadata"].get("deletionTimestamp")
             ):
                 return None
-            if (rljob.get("status") or {}).get("phase") in TERMINAL:
+            if (rljob.get("status") or {}).get("phase") in TERMINAL_PHASES:
                 return None
             return key
         return None
-
-
-def prepare_child(obj: Mapping[str, Any], *, name: str, labels: Mapping[str, str]) -> dict[str, Any]:
-    """Stamp the job label (the watch selector) and pass Kueue labels; leave Kueue's ``suspend`` alone."""
-    out = dict(obj)
-    meta = dict(out.get("metadata") or {})
-    child_labels = dict(meta.get("labels") or {})
-    child_labels.setdefault(JOB_LABEL, name)
-    if out.get("kind") == "RayJob":
-        for lk in KUEUE_LABELS:
-            if lk in labels:
-                child_labels.setdefault(lk, labels[lk])
-        if KUEUE_LABELS[0] in child_labels:
-            spec = dict(out.get("spec") or {})
-            spec.pop("suspend", None)  # Kueue toggles it; owning it would fight the admission controller
-            out["spec"] = spec
-    meta["labels"] = child_labels
-    out["metadata"] = meta
-    return out

@@ -9,14 +9,12 @@ and crash-loop reasons from container statuses, deadline expiry from the RayJob'
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
-Phase = Literal["Pending", "Provisioning", "Running", "Succeeded", "Failed", "Suspended"]
-CondStatus = Literal["True", "False", "Unknown"]
-
-CONDITION_TYPES: tuple[str, ...] = ("Valid", "ClusterReady", "Running", "Succeeded", "Failed", "Suspended")
+from rlkube.api import Condition
+from rlkube.api.contract import ConditionStatus, Phase, rfc3339
 
 # Container waiting reasons that mean "this pod will not start without a change", most specific first.
 _IMAGE_PULL_REASONS = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull")
@@ -28,28 +26,9 @@ _DEPLOYMENT_SUSPENDED = ("Suspending", "Suspended")
 _EVENT_REASONS = ("FailedScheduling", "FailedMount", "FailedAttachVolume", "FailedCreate", "FailedCreatePod")
 
 
-@dataclass(frozen=True)
-class Condition:
-    """One entry of ``status.conditions`` (Kubernetes convention, keyed by type)."""
-
-    type: str
-    status: CondStatus
-    reason: str
-    message: str = ""
-    last_transition_time: str = ""
-    observed_generation: int | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "type": self.type,
-            "status": self.status,
-            "reason": self.reason,
-            "message": self.message,
-            "lastTransitionTime": self.last_transition_time,
-        }
-        if self.observed_generation is not None:
-            out["observedGeneration"] = self.observed_generation
-        return out
+def condition_dict(c: Condition) -> dict[str, Any]:
+    """One entry of ``status.conditions`` as the API writes it (keyed by type; no nulls)."""
+    return c.model_dump(by_alias=True, exclude_none=True)
 
 
 @dataclass(frozen=True)
@@ -100,7 +79,7 @@ class DerivedStatus:
             "phase": self.phase,
             "reason": self.reason,
             "message": self.message,
-            "conditions": [c.to_dict() for c in self.conditions],
+            "conditions": [condition_dict(c) for c in self.conditions],
         }
         if self.observed_generation is not None:
             out["observedGeneration"] = self.observed_generation
@@ -250,12 +229,8 @@ def _merge_time(new: Condition, previous: Mapping[str, Mapping[str, Any]], now: 
     """Keep lastTransitionTime when the condition's status did not change."""
     old = previous.get(new.type)
     if old is not None and old.get("status") == new.status and old.get("lastTransitionTime"):
-        return replace(new, last_transition_time=str(old["lastTransitionTime"]))
-    return replace(new, last_transition_time=now)
-
-
-def _rfc3339(now: datetime) -> str:
-    return now.strftime("%Y-%m-%dT%H:%M:%SZ")
+        return new.model_copy(update={"last_transition_time": str(old["lastTransitionTime"])})
+    return new.model_copy(update={"last_transition_time": now})
 
 
 def derive(
@@ -267,10 +242,11 @@ def derive(
     """Phase, reason, message and the six conditions for one RLJob."""
     gen = obs.generation
     prev = {str(c.get("type")): c for c in previous_conditions if c.get("type")}
-    ts = _rfc3339(now)
+    ts = rfc3339(now)
 
-    def cond(type_: str, status: CondStatus, reason: str, message: str = "") -> Condition:
-        return _merge_time(Condition(type_, status, reason, message, "", gen), prev, ts)
+    def cond(type_: str, status: ConditionStatus, reason: str, message: str = "") -> Condition:
+        made = Condition(type=type_, status=status, reason=reason, message=message, observed_generation=gen)
+        return _merge_time(made, prev, ts)
 
     # Valid: decided by the operator's validation, before anything is rendered.
     if obs.validation_errors is None:

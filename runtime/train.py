@@ -43,9 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     torch.set_num_threads(int(os.environ.get("RLKUBE_TORCH_THREADS", "1")))
-    from rlkube.api import load_rljob, resolve
+    from rlkube.api import load_resolved
 
-    job = resolve(load_rljob(args.rljob))
+    job = load_resolved(args.rljob)  # the operator's file as is; a user's own file resolved once here
     out = args.output or _default_output(job.name)
     spec = job.spec
     use_ray = args.ray or ((spec.training.mode != "sync" or spec.rollout.engine != "hf") and not args.no_ray)

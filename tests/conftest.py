@@ -14,12 +14,19 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hypothesis import settings
 
 from rlkube.devcluster import DevClusterError
 from rlkube.devcluster.testing import Kubectl, TestCluster, open_test_cluster
 from rlkube.devcluster.testing import wait_for as _wait_for
 
 _CLUSTER_FIXTURES = {"devcluster", "kubeconfig", "kube_api", "kubectl", "namespace"}
+
+# Property tests draw the same examples on every run and every machine (derandomize: the seed comes
+# from the test's name) and remember nothing between runs: a property test either always passes or
+# always fails, never by hypothesis's luck. Loaded before any test module builds its @settings.
+settings.register_profile("rlkube", derandomize=True, database=None, deadline=None, print_blob=True)
+settings.load_profile("rlkube")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -1,35 +1,26 @@
-"""Pure rendering of an RLJob into its Kubernetes children (ConfigMap, RBAC, KubeRay RayJob)."""
+"""Pure rendering of a resolved RLJob into its Kubernetes children (ConfigMap, RBAC, KubeRay RayJob).
 
-from .children import (
-    CONFIG_DIR,
-    CONFIG_FILE,
-    ENTRYPOINT,
-    GROUP_LABEL,
-    JOB_LABEL,
-    KUEUE_QUEUE_LABEL,
-    Children,
-    RenderDefaults,
-    container_env,
-    owner_reference,
-    passthrough_labels,
-    render_children,
-)
+One builder module per child kind (`config`, `rbac`, `rayjob`), composed by `children`.
+"""
+
+from .children import SUSPEND_IGNORED, Children, SpecWarning, render_children
 from .names import MAX_RAYJOB_NAME, child_name, ray_job_name
+from .objects import Owner, owner_reference, passthrough_labels
+from .rayjob import PodContext, WorkerGroup, container_env, worker_groups
 
 __all__ = [
-    "CONFIG_DIR",
-    "CONFIG_FILE",
-    "ENTRYPOINT",
-    "GROUP_LABEL",
-    "JOB_LABEL",
-    "KUEUE_QUEUE_LABEL",
     "MAX_RAYJOB_NAME",
+    "SUSPEND_IGNORED",
     "Children",
-    "RenderDefaults",
+    "Owner",
+    "PodContext",
+    "SpecWarning",
+    "WorkerGroup",
     "child_name",
     "container_env",
     "owner_reference",
     "passthrough_labels",
     "ray_job_name",
     "render_children",
+    "worker_groups",
 ]

@@ -2,28 +2,64 @@
 
 Sequence-level estimators take one scalar score per response and a group id per response (all
 responses sampled from the same prompt share an id); they return one advantage per response, which
-:func:`compute_advantages` broadcasts over the response tokens.
+the registered token-level form broadcasts over the response tokens.
+
+``ESTIMATORS`` maps each name the API accepts (``algorithm.advantageEstimator``) to a function of one
+shared keyword signature (:class:`AdvantageFn`) returning token-level ``(advantages, returns)``;
+:func:`compute_advantages` dispatches on it. A new estimator is one decorated function here plus its
+name in ``rlkube.api.algorithms``.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
 from rlkube.runtime.algos.core import masked_whiten
 
-ESTIMATORS: tuple[str, ...] = ("grpo", "rloo", "reinforce_pp", "gae")
-_ALGORITHM_ESTIMATOR = {
-    "grpo": "grpo",
-    "dapo": "grpo",
-    "ppo": "gae",
-    "rloo": "rloo",
-    "reinforce_pp": "reinforce_pp",
-}
+
+class AdvantageFn(Protocol):
+    """Token-level ``(advantages, returns)``, both ``[B, T]`` and zero on padding."""
+
+    def __call__(
+        self,
+        *,
+        mask: Tensor,
+        scores: Tensor | None,
+        group_index: Tensor | None,
+        token_rewards: Tensor | None,
+        values: Tensor | None,
+        gamma: float,
+        lam: float,
+        norm_by_std: bool,
+        whiten: bool,
+        eps: float,
+    ) -> tuple[Tensor, Tensor]: ...
 
 
-def _group_stats(rewards: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """Per-sample group size, group mean and unbiased group std (std is 0 for singletons)."""
+# name -> function, filled by @register_estimator below. The names are the API's
+# (rlkube.api.algorithms.ADVANTAGE_ESTIMATORS; a test checks both agree).
+ESTIMATORS: dict[str, AdvantageFn] = {}
+
+
+def register_estimator(name: str) -> Callable[[AdvantageFn], AdvantageFn]:
+    """Register a token-level advantage estimator under ``name`` (verl's ``register_adv_est``)."""
+
+    def deco(fn: AdvantageFn) -> AdvantageFn:
+        if name in ESTIMATORS:
+            raise ValueError(f"advantage estimator {name!r} is registered twice")
+        ESTIMATORS[name] = fn
+        return fn
+
+    return deco
+
+
+def _group_stats(rewards: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per-sample group size, group mean, unbiased group std (0 for singletons) and whether every
+    reward of the group is the same (exactly: max == min, so no rounding of the mean can leak in)."""
     if rewards.ndim != 1 or group_index.shape != rewards.shape:
         raise ValueError(
             "rewards and group_index must both be [B]; "
@@ -41,7 +77,11 @@ def _group_stats(rewards: Tensor, group_index: Tensor) -> tuple[Tensor, Tensor, 
         0, inverse, (r - mean[inverse]) ** 2
     )
     var = sq / (count - 1).clamp(min=1.0)
-    return count[inverse], mean[inverse], var.sqrt()[inverse]
+    hi = torch.full((n_groups,), -torch.inf, dtype=torch.float64, device=r.device)
+    lo = torch.full((n_groups,), torch.inf, dtype=torch.float64, device=r.device)
+    hi = hi.scatter_reduce(0, inverse, r, reduce="amax")
+    lo = lo.scatter_reduce(0, inverse, r, reduce="amin")
+    return count[inverse], mean[inverse], var.sqrt()[inverse], (hi == lo)[inverse]
 
 
 def grpo_advantages(
@@ -51,24 +91,27 @@ def grpo_advantages(
 
     ``std`` is the unbiased sample std, as ``torch.std``. ``norm_by_std=False`` gives the Dr. GRPO
     variant (Liu et al. 2025) that only subtracts the mean. A group of one response has no baseline
-    to compare against, so its advantage is 0; a zero-variance group gets 0 as well.
+    to compare against, so its advantage is 0. A group whose rewards are all equal gets exactly 0
+    whatever ``eps`` and the rewards' scale (verl divides the float residue of ``r - mean`` by
+    ``std + eps``, which is not 0 for, e.g., seven rewards of 0.99999 and a tiny ``eps``).
     """
-    count, mean, std = _group_stats(rewards, group_index)
+    count, mean, std, equal = _group_stats(rewards, group_index)
     adv = rewards.to(torch.float64) - mean
     if norm_by_std:
         adv = adv / (std + eps)
-    adv = torch.where(count > 1, adv, torch.zeros_like(adv))
+    adv = torch.where((count > 1) & ~equal, adv, torch.zeros_like(adv))
     return adv.to(rewards.dtype if rewards.is_floating_point() else torch.float32)
 
 
 def rloo_advantages(rewards: Tensor, group_index: Tensor) -> Tensor:
     """REINFORCE leave-one-out: ``r_i - mean_{j != i} r_j`` (Kool et al. 2019; Ahmadian et al. 2024).
 
-    Equal to ``n/(n-1) * (r_i - mean(group))``. Singleton groups get 0.
+    Equal to ``n/(n-1) * (r_i - mean(group))``. Singleton groups and all-equal groups get exactly 0.
     """
-    count, mean, _ = _group_stats(rewards, group_index)
+    count, mean, _, equal = _group_stats(rewards, group_index)
     r = rewards.to(torch.float64)
-    adv = torch.where(count > 1, (r - mean) * count / (count - 1).clamp(min=1.0), torch.zeros_like(r))
+    adv = (r - mean) * count / (count - 1).clamp(min=1.0)
+    adv = torch.where((count > 1) & ~equal, adv, torch.zeros_like(r))
     return adv.to(rewards.dtype if rewards.is_floating_point() else torch.float32)
 
 
@@ -146,14 +189,128 @@ def scores_to_token_rewards(scores: Tensor, mask: Tensor) -> Tensor:
     return out
 
 
+def _sequence_scores(name: str, mask: Tensor, scores: Tensor | None, token_rewards: Tensor | None) -> Tensor:
+    if scores is not None:
+        return scores
+    if token_rewards is None:
+        raise ValueError(f"{name} advantages need scores [B] or token_rewards [B, T]")
+    return (token_rewards * mask.to(token_rewards.dtype)).sum(dim=-1)
+
+
+def _need_groups(name: str, group_index: Tensor | None) -> Tensor:
+    if group_index is None:
+        raise ValueError(f"{name} advantages need group_index (one group id per response)")
+    return group_index
+
+
+def _token_rewards(name: str, mask: Tensor, scores: Tensor | None, token_rewards: Tensor | None) -> Tensor:
+    if token_rewards is not None:
+        return token_rewards
+    if scores is None:
+        raise ValueError(f"{name} advantages need token_rewards [B, T] or scores [B]")
+    return scores_to_token_rewards(scores.to(torch.float32), mask)
+
+
+@register_estimator("grpo")
+def grpo_estimator(
+    *,
+    mask: Tensor,
+    scores: Tensor | None = None,
+    group_index: Tensor | None = None,
+    token_rewards: Tensor | None = None,
+    values: Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_by_std: bool = True,
+    whiten: bool = True,
+    eps: float = 1e-6,
+) -> tuple[Tensor, Tensor]:
+    """:func:`grpo_advantages` of the sequence scores (or the masked sum of ``token_rewards``, so a KL
+    penalty placed on tokens counts), broadcast over the valid tokens; returns = advantages."""
+    groups = _need_groups("grpo", group_index)
+    seq = grpo_advantages(
+        _sequence_scores("grpo", mask, scores, token_rewards), groups, norm_by_std=norm_by_std, eps=eps
+    )
+    adv = seq.to(torch.float32).unsqueeze(-1) * mask.to(torch.float32)
+    return adv, adv.clone()
+
+
+@register_estimator("rloo")
+def rloo_estimator(
+    *,
+    mask: Tensor,
+    scores: Tensor | None = None,
+    group_index: Tensor | None = None,
+    token_rewards: Tensor | None = None,
+    values: Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_by_std: bool = True,
+    whiten: bool = True,
+    eps: float = 1e-6,
+) -> tuple[Tensor, Tensor]:
+    """:func:`rloo_advantages` of the sequence scores, broadcast over the valid tokens."""
+    groups = _need_groups("rloo", group_index)
+    seq = rloo_advantages(_sequence_scores("rloo", mask, scores, token_rewards), groups)
+    adv = seq.to(torch.float32).unsqueeze(-1) * mask.to(torch.float32)
+    return adv, adv.clone()
+
+
+@register_estimator("reinforce_pp")
+def reinforce_pp_estimator(
+    *,
+    mask: Tensor,
+    scores: Tensor | None = None,
+    group_index: Tensor | None = None,
+    token_rewards: Tensor | None = None,
+    values: Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_by_std: bool = True,
+    whiten: bool = True,
+    eps: float = 1e-6,
+) -> tuple[Tensor, Tensor]:
+    """:func:`reinforce_pp_advantages` of ``token_rewards`` (or the scores on the last token)."""
+    return reinforce_pp_advantages(
+        _token_rewards("reinforce_pp", mask, scores, token_rewards), mask, gamma=gamma
+    )
+
+
+@register_estimator("gae")
+def gae_estimator(
+    *,
+    mask: Tensor,
+    scores: Tensor | None = None,
+    group_index: Tensor | None = None,
+    token_rewards: Tensor | None = None,
+    values: Tensor | None = None,
+    gamma: float = 1.0,
+    lam: float = 1.0,
+    norm_by_std: bool = True,
+    whiten: bool = True,
+    eps: float = 1e-6,
+) -> tuple[Tensor, Tensor]:
+    """:func:`gae` over ``token_rewards`` (or the scores on the last token) and the critic's ``values``."""
+    rewards = _token_rewards("gae", mask, scores, token_rewards)
+    if values is None:
+        raise ValueError("gae advantages need values [B, T] from the critic")
+    return gae(rewards, values, mask, gamma, lam, whiten=whiten)
+
+
 def estimator_for_algorithm(algorithm: str) -> str:
-    """Advantage estimator an algorithm name implies: grpo/dapo -> grpo, ppo -> gae, rloo, reinforce_pp."""
-    try:
-        return _ALGORITHM_ESTIMATOR[algorithm.lower()]
-    except KeyError:
-        raise ValueError(
-            f"unknown algorithm {algorithm!r}; expected one of {', '.join(sorted(_ALGORITHM_ESTIMATOR))}"
-        ) from None
+    """Advantage estimator an algorithm name implies (grpo/dapo -> grpo, ppo -> gae); an estimator's own
+    name maps to itself. The table is the API's (``rlkube.api.algorithms.DEFAULT_ESTIMATOR``)."""
+    from rlkube.api.algorithms import DEFAULT_ESTIMATOR  # lazy: the maths itself needs no pydantic
+
+    name = algorithm.lower()
+    if name in DEFAULT_ESTIMATOR:
+        return DEFAULT_ESTIMATOR[name]
+    if name in ESTIMATORS:
+        return name
+    raise ValueError(
+        f"unknown algorithm {algorithm!r}; expected one of "
+        f"{', '.join(sorted({*DEFAULT_ESTIMATOR, *ESTIMATORS}))}"
+    )
 
 
 def compute_advantages(
@@ -170,8 +327,8 @@ def compute_advantages(
     whiten: bool = True,
     eps: float = 1e-6,
 ) -> tuple[Tensor, Tensor]:
-    """Dispatch on ``estimator`` (or an algorithm name: grpo, dapo, ppo) and return token-level
-    ``(advantages, returns)``, both ``[B, T]`` and zero on padding.
+    """Token-level ``(advantages, returns)``, both ``[B, T]`` and zero on padding, from the estimator
+    registered as ``estimator`` (an algorithm name, grpo/dapo/ppo, selects its default estimator).
 
     - grpo / rloo need ``group_index`` and either ``scores`` [B] or ``token_rewards`` [B, T] (summed over
       the valid tokens, so penalties placed on tokens, e.g. KL in reward, count). Returns = advantages.
@@ -179,33 +336,23 @@ def compute_advantages(
     - gae (PPO) needs ``values`` and ``token_rewards`` (or ``scores``, placed on the last token).
     """
     name = estimator.lower()
-    if name in _ALGORITHM_ESTIMATOR:
-        name = _ALGORITHM_ESTIMATOR[name]
-    if name not in ESTIMATORS:
-        raise ValueError(
-            f"unknown advantage estimator {estimator!r}; expected one of {', '.join(ESTIMATORS)}"
-        )
-    m = mask.to(torch.float32)
-    if name in ("grpo", "rloo"):
-        if group_index is None:
-            raise ValueError(f"{name} advantages need group_index (one group id per response)")
-        if scores is None:
-            if token_rewards is None:
-                raise ValueError(f"{name} advantages need scores [B] or token_rewards [B, T]")
-            scores = (token_rewards * m).sum(dim=-1)
-        seq_adv = (
-            grpo_advantages(scores, group_index, norm_by_std=norm_by_std, eps=eps)
-            if name == "grpo"
-            else rloo_advantages(scores, group_index)
-        )
-        adv = seq_adv.to(torch.float32).unsqueeze(-1) * m
-        return adv, adv.clone()
-    if token_rewards is None:
-        if scores is None:
-            raise ValueError(f"{name} advantages need token_rewards [B, T] or scores [B]")
-        token_rewards = scores_to_token_rewards(scores.to(torch.float32), mask)
-    if name == "reinforce_pp":
-        return reinforce_pp_advantages(token_rewards, mask, gamma=gamma)
-    if values is None:
-        raise ValueError("gae advantages need values [B, T] from the critic")
-    return gae(token_rewards, values, mask, gamma, lam, whiten=whiten)
+    fn = ESTIMATORS.get(name)
+    if fn is None:
+        try:
+            fn = ESTIMATORS[estimator_for_algorithm(name)]
+        except (ValueError, KeyError):
+            raise ValueError(
+                f"unknown advantage estimator {estimator!r}; expected one of {', '.join(ESTIMATORS)}"
+            ) from None
+    return fn(
+        mask=mask,
+        scores=scores,
+        group_index=group_index,
+        token_rewards=token_rewards,
+        values=values,
+        gamma=gamma,
+        lam=lam,
+        norm_by_std=norm_by_std,
+        whiten=whiten,
+        eps=eps,
+    )

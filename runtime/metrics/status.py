@@ -12,15 +12,12 @@ from __future__ import annotations
 import logging
 import os
 import time
-from datetime import UTC, datetime
 from typing import Any
 
 from rlkube.api import GROUP, PLURAL, VERSION, Progress, step_display
+from rlkube.api.contract import ENV_RLJOB_NAME, ENV_RLJOB_NAMESPACE, now_rfc3339
 
 log = logging.getLogger(__name__)
-
-NAME_ENV = "RLKUBE_RLJOB_NAME"
-NAMESPACE_ENV = "RLKUBE_RLJOB_NAMESPACE"
 
 
 def progress_from_metrics(
@@ -50,7 +47,7 @@ def progress_from_metrics(
         tokens_per_second=g("perf/tokens_per_s"),
         step_seconds=g("timing_s/step"),
         last_checkpoint_step=last_ckpt,
-        last_update_time=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        last_update_time=now_rfc3339(),
         metrics=extra,
     )
 
@@ -66,8 +63,10 @@ class StatusPusher:
         min_interval_s: float = 5.0,
         api: Any = None,
     ) -> None:
-        self.name = name if name is not None else os.environ.get(NAME_ENV)
-        self.namespace = namespace if namespace is not None else os.environ.get(NAMESPACE_ENV, "default")
+        self.name = name if name is not None else os.environ.get(ENV_RLJOB_NAME)
+        if namespace is None:
+            namespace = os.environ.get(ENV_RLJOB_NAMESPACE, "default")
+        self.namespace = namespace
         self.min_interval_s = min_interval_s
         self._api = api
         self._last = 0.0

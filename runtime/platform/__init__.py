@@ -1,6 +1,6 @@
 """Platform layer: what differs between ROCm, CUDA and CPU, in one place.
 
-`rlkube.runtime.platform.env` holds the pure env tables (no torch import) that the operator
+`rlkube.api.platform_env` holds the pure env tables (no torch import) that the operator
 renders into pod specs; the registry here probes the process and answers devices, visibility,
 Ray, process env, communication backend and peak FLOP/s.
 

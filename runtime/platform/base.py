@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any, ClassVar
 
-from rlkube.runtime.platform import env as envtables
-from rlkube.runtime.platform.env import Engine, Vendor
+from rlkube.api import platform_env as envtables
+from rlkube.api.contract import Engine, Vendor
 
 PLATFORM_ENV_VAR = "RLKUBE_PLATFORM"
 ENTRY_POINT_GROUP = "rlkube.platforms"

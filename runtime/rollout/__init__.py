@@ -1,13 +1,11 @@
-"""Rollout engines behind one interface (``rlkube.runtime.rollout.base``).
+"""Rollout engines behind one interface (``rlkube.runtime.rollout.base``), registered by name in
+``rlkube.runtime.rollout.registry``.
 
 Engines are imported lazily: vLLM and the SGLang client pull heavy or absent packages, and
 vLLM's engine must never be built at import time (it spawns workers).
 """
 
 from __future__ import annotations
-
-from pathlib import Path
-from typing import Any
 
 from rlkube.runtime.rollout.base import (
     Completion,
@@ -17,35 +15,16 @@ from rlkube.runtime.rollout.base import (
     SamplingParams,
     UnsupportedCapability,
 )
+from rlkube.runtime.rollout.registry import ENGINE_REGISTRY, engine_options, make_engine
 
 __all__ = [
+    "ENGINE_REGISTRY",
     "Completion",
     "EngineCapabilities",
     "RolloutEngine",
     "RolloutRequest",
     "SamplingParams",
     "UnsupportedCapability",
+    "engine_options",
     "make_engine",
 ]
-
-
-def make_engine(kind: str, model_path: str | Path | None = None, **options: Any) -> RolloutEngine:
-    """Build a rollout engine: ``"hf"``, ``"vllm"`` (in-process) or ``"sglang"`` (HTTP client).
-
-    ``options`` go to the engine's constructor (see each engine's docstring).
-    """
-    if kind == "hf":
-        from rlkube.runtime.rollout.hf import HFEngine
-
-        return HFEngine(model_path, **options)
-    if kind == "vllm":
-        from rlkube.runtime.rollout.vllm_engine import VLLMEngine
-
-        if model_path is None:
-            raise ValueError("the vllm engine needs model_path")
-        return VLLMEngine(model_path, **options)
-    if kind == "sglang":
-        from rlkube.runtime.rollout.sglang import SGLangEngine
-
-        return SGLangEngine(**options)
-    raise ValueError(f"unknown rollout engine {kind!r}; expected hf, vllm or sglang")

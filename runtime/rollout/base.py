@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     import torch
 
 FinishReason = Literal["stop", "length", "abort"]
-EngineKind = Literal["vllm", "hf", "sglang"]
 LOGPROBS_MODE = "raw"  # see module docstring
 
 

@@ -34,8 +34,10 @@ from rlkube.runtime.rollout.base import (
     sample_seed,
 )
 from rlkube.runtime.rollout.hf_decode import CompileSetting, StaticDecoder, counter_uniform
+from rlkube.runtime.rollout.registry import spec_dtype
 
 if TYPE_CHECKING:
+    from rlkube.api import RLJobSpec
     from rlkube.runtime.weights.direct import DirectCopyStats
 
 
@@ -485,3 +487,16 @@ def teacher_forced_logprobs(
         logits = model(ids).logits[0, len(prompt_ids) - 1 : -1].float()
     lp = torch.log_softmax(logits, -1)
     return lp.gather(1, ids[0, len(prompt_ids) :, None])[:, 0].cpu()
+
+
+def options_from_spec(spec: RLJobSpec) -> dict[str, Any]:
+    """HFEngine options for a spec: one decode slot per sample in flight (twice that in async modes,
+    which over-subscribe to keep the extra groups in flight), capped by rollout.maxNumSeqs."""
+    slots = min(spec.rollout.max_num_seqs, max(spec.training.train_batch_size * spec.algorithm.group_size, 1))
+    slots = min(spec.rollout.max_num_seqs, slots * 2) if spec.training.mode != "sync" else slots
+    return {
+        "dtype": spec_dtype(spec),
+        "num_slots": slots,
+        "max_seq_len": spec.data.max_prompt_length + spec.data.max_response_length,
+        "seed": spec.training.seed,
+    }

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from rlkube.runtime.platform.env import engine_args, engine_env
+from rlkube.api.platform_env import engine_args, engine_env
 from rlkube.runtime.rollout.base import (
     Completion,
     EngineCapabilities,

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from rlkube.api import RLJobSpec
 from rlkube.runtime.rollout.base import (
     Completion,
     EngineCapabilities,
@@ -34,6 +35,7 @@ from rlkube.runtime.rollout.base import (
     expand_samples,
     sample_seed,
 )
+from rlkube.runtime.rollout.registry import spec_dtype
 from rlkube.runtime.rollout.vllm_worker import bucket_to_wire, tensor_from_wire, tensor_to_wire
 
 WORKER_EXTENSION = "rlkube.runtime.rollout.vllm_worker.WeightLoaderExtension"
@@ -318,4 +320,16 @@ def _asdict(p: SamplingParams) -> dict[str, Any]:
         "stop_token_ids": p.stop_token_ids,
         "seed": p.seed,
         "logprobs": p.logprobs,
+    }
+
+
+def options_from_spec(spec: RLJobSpec) -> dict[str, Any]:
+    """VLLMEngine options for a spec: context length, memory share, tensor parallelism, batch width."""
+    return {
+        "max_model_len": spec.data.max_prompt_length + spec.data.max_response_length,
+        "seed": spec.training.seed,
+        "dtype": spec_dtype(spec),
+        "gpu_memory_utilization": spec.rollout.gpu_memory_utilization,
+        "tensor_parallel_size": spec.rollout.tensor_parallel_size,
+        "max_num_seqs": spec.rollout.max_num_seqs,
     }

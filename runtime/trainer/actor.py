@@ -19,12 +19,12 @@ import torch
 from torch import Tensor, nn
 
 from rlkube.runtime.algos import (
+    POLICY_LOSSES,
     aggregate_loss,
     entropy_from_logits,
     kl_penalty,
     logprobs_from_logits,
     masked_mean,
-    ppo_policy_loss,
     value_loss,
 )
 from rlkube.runtime.trainer.batch import Batch
@@ -50,13 +50,21 @@ class LossConfig:
     clip_low: float = 0.2
     clip_high: float = 0.2
     clip_c: float | None = 3.0
+    policy_loss: str = "vanilla"  # a name in rlkube.runtime.algos.POLICY_LOSSES
     agg_mode: str = "token-mean"
+    norm_constant: float | None = None  # seq-mean-token-sum-norm's H (the max response length)
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
     kl_loss_coef: float = 0.001
     kl_loss_type: str = "low_var_kl"
     temperature: float = 1.0
     value_clip: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.policy_loss not in POLICY_LOSSES:
+            raise ValueError(
+                f"unknown policy loss {self.policy_loss!r}; expected one of {', '.join(POLICY_LOSSES)}"
+            )
 
 
 def lr_lambda(cfg: OptimConfig) -> Any:
@@ -253,14 +261,18 @@ class PolicyWorker(_Worker):
 
     # -- inference ---------------------------------------------------------------------------
     @torch.no_grad()
-    def compute_logprobs(self, batch: Batch, with_entropy: bool = False) -> tuple[Tensor, Tensor | None]:
-        """Per-token log-probs ``[B, T]`` (and entropy) under the current weights, float32 on CPU."""
+    def compute_logprobs(
+        self, batch: Batch, with_entropy: bool = False, *, temperature: float | None = None
+    ) -> tuple[Tensor, Tensor | None]:
+        """Per-token log-probs ``[B, T]`` (and entropy) under the current weights, float32 on CPU, at
+        the loss's sampling temperature unless ``temperature`` is given (1.0: the engines' raw view)."""
         lps, ents = [], []
+        temp = self.loss_cfg.temperature if temperature is None else temperature
         self.model.eval()
         for mb in micro_batches(batch, self.micro_batch_size):
             mb = mb.to(self.device)
             with self.autocast():
-                logits = response_logits(self.model, mb, self.loss_cfg.temperature)
+                logits = response_logits(self.model, mb, temp)
             lps.append(logprobs_from_logits(logits, mb.responses).cpu())
             if with_entropy:
                 ents.append(entropy_from_logits(logits).cpu())
@@ -270,7 +282,8 @@ class PolicyWorker(_Worker):
     def update(self, batch: Batch, num_mini_batches: int, epochs: int = 1) -> dict[str, float]:
         """``epochs`` passes of ``num_mini_batches`` optimiser updates over ``batch``.
 
-        ``batch.extras`` must hold ``advantages`` (and ``ref_logp`` with a KL loss), and ``old_logp``
+        ``batch.extras`` must hold ``advantages`` (and ``ref_logp`` with a KL loss; ``rollout_is_weights``
+        ``[B, T]``, when present, multiply the per-token policy loss), and ``old_logp``
         unless the update is one epoch over one mini-batch: then pi_old is the current weights and the
         detached log-probs of the update's own forward pass are used (see
         :func:`needs_old_logprob_pass`); they are kept, in ``batch`` row order on the CPU, in
@@ -332,6 +345,10 @@ class PolicyWorker(_Worker):
         mini = mini.to(self.device)
         acc: dict[str, Tensor] = {}
         ratio_max: Tensor | None = None
+        policy_loss = POLICY_LOSSES[cfg.policy_loss]
+        # The counts above are divided by the world size to undo the ranks' gradient averaging; a
+        # token-sum has no count, so its gradient is scaled back up instead.
+        sum_scale = float(self.world_size) if cfg.agg_mode == "token-sum" else 1.0
         for weight, mb in zip(weights, micro_batches(mini, self.micro_batch_size), strict=True):
             with self.autocast():
                 logits = response_logits(self.model, mb, cfg.temperature)
@@ -342,7 +359,8 @@ class PolicyWorker(_Worker):
                 old_logp = logp.detach()
                 if kept is not None:
                     kept.append(old_logp.float())
-            pg, m = ppo_policy_loss(
+            agg = {"global_tokens": g_tokens, "global_seqs": g_seqs, "norm_constant": cfg.norm_constant}
+            pg, m = policy_loss(
                 logp,
                 old_logp,
                 mb.extras["advantages"],
@@ -351,14 +369,14 @@ class PolicyWorker(_Worker):
                 clip_high=cfg.clip_high,
                 clip_c=cfg.clip_c,
                 agg_mode=cfg.agg_mode,
-                global_tokens=g_tokens,
-                global_seqs=g_seqs,
+                is_weights=mb.extras.get("rollout_is_weights"),
+                **agg,
             )
             loss = pg
             if cfg.entropy_coeff > 0:
                 ent = entropy_from_logits(logits)
                 ent_val = masked_mean(ent.detach(), mask)
-                ent_loss = aggregate_loss(ent, mask, cfg.agg_mode, global_tokens=g_tokens, global_seqs=g_seqs)
+                ent_loss = aggregate_loss(ent, mask, cfg.agg_mode, **agg)
                 loss = loss - cfg.entropy_coeff * ent_loss
             else:  # metric only: no autograd graph over the [b, T, V] float32 temporaries
                 with torch.no_grad():
@@ -373,10 +391,10 @@ class PolicyWorker(_Worker):
             }
             if cfg.use_kl_loss and "ref_logp" in mb.extras:
                 kl = kl_penalty(logp, mb.extras["ref_logp"], cfg.kl_loss_type)
-                kl_loss = aggregate_loss(kl, mask, cfg.agg_mode, global_tokens=g_tokens, global_seqs=g_seqs)
+                kl_loss = aggregate_loss(kl, mask, cfg.agg_mode, **agg)
                 loss = loss + cfg.kl_loss_coef * kl_loss
                 weighted["actor/kl_loss"] = masked_mean(kl.detach(), mask)
-            loss.backward()
+            (loss * sum_scale).backward()
             # micro losses already sum to the mini-batch loss; the rest are token-weighted means
             _accumulate(acc, "actor/pg_loss", pg.detach().float())
             for k, v in weighted.items():

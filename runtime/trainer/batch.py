@@ -28,6 +28,8 @@ class Sample:
     score: float = 0.0  # reward after shaping (overlong penalty); what the advantage uses
     accuracy: float = 0.0
     truncated: bool = False
+    # the engine's raw (temperature-1) log-prob of each response token, under the weights that sampled
+    # it (rollout correction compares it with the trainer's); empty when the engine gave none
     rollout_logprobs: list[float] = field(default_factory=list)
     token_versions: list[int] = field(default_factory=list)
     prompt_index: int = -1  # position of the prompt in the training stream (resume checks)
@@ -58,7 +60,8 @@ class Batch:
     prompt_width: int  # P
     scores: Tensor  # [B]
     group_index: Tensor  # [B] int64
-    extras: dict[str, Tensor] = field(default_factory=dict)  # old_logp, ref_logp, values, adv...
+    # rollout_logp (from collate), old_logp, ref_logp, values, advantages, rollout_is_weights...
+    extras: dict[str, Tensor] = field(default_factory=dict)
 
     @property
     def size(self) -> int:
@@ -113,7 +116,11 @@ class Batch:
 
 
 def collate(samples: Sequence[Sample], pad_id: int) -> Batch:
-    """Pad ``samples`` into a :class:`Batch` (left-padded prompts, right-padded responses)."""
+    """Pad ``samples`` into a :class:`Batch` (left-padded prompts, right-padded responses).
+
+    ``extras["rollout_logp"]`` ``[B, T]`` holds the engine's log-probs when every sample carries one per
+    response token (absent otherwise; 0 on padding).
+    """
     if not samples:
         raise ValueError("cannot collate an empty batch")
     p_width = max(len(s.prompt_ids) for s in samples)
@@ -137,4 +144,11 @@ def collate(samples: Sequence[Sample], pad_id: int) -> Batch:
         gidx[i] = groups.setdefault(s.group, len(groups))
     pos = (attn.cumsum(dim=1) - 1).clamp(min=0)
     scores = torch.tensor([s.score for s in samples], dtype=torch.float32)
-    return Batch(ids, attn, pos, resp, rmask, p_width, scores, gidx)
+    extras: dict[str, Tensor] = {}
+    if all(len(s.rollout_logprobs) == len(s.response_ids) for s in samples):
+        lp = torch.zeros((b, t_width), dtype=torch.float32)
+        for i, s in enumerate(samples):
+            if s.rollout_logprobs:
+                lp[i, : len(s.rollout_logprobs)] = torch.tensor(s.rollout_logprobs, dtype=torch.float32)
+        extras["rollout_logp"] = lp
+    return Batch(ids, attn, pos, resp, rmask, p_width, scores, gidx, extras)

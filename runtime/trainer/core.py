@@ -16,7 +16,16 @@ from typing import Any
 import torch
 
 from rlkube.api import RLJob
-from rlkube.runtime.algos import compute_advantages, kl_in_reward, kl_penalty, masked_mean, overlong_penalty
+from rlkube.api.algorithms import CRITIC_ESTIMATORS
+from rlkube.runtime.algos import (
+    compute_advantages,
+    kl_in_reward,
+    kl_penalty,
+    masked_mean,
+    overlong_penalty,
+    rollout_correction,
+    scores_to_token_rewards,
+)
 from rlkube.runtime.data import PromptSampler, load_records
 from rlkube.runtime.data.records import Record
 from rlkube.runtime.rewards import get_reward_fn
@@ -28,7 +37,7 @@ from rlkube.runtime.trainer.actor import (
     PolicyWorker,
     needs_old_logprob_pass,
 )
-from rlkube.runtime.trainer.batch import Sample, collate
+from rlkube.runtime.trainer.batch import Batch, Sample, collate
 
 
 @dataclass
@@ -68,7 +77,11 @@ class Trainer:
             clip_low=a.clip_ratio_low,
             clip_high=a.clip_ratio_high,
             clip_c=a.clip_ratio_c if a.clip_ratio_c > 1.0 else None,
-            agg_mode=a.loss_aggregation,
+            policy_loss=a.effective_policy_loss,
+            agg_mode=a.effective_loss_aggregation,
+            # verl pads every response to data.maxResponseLength, so that is its default Dr. GRPO H;
+            # batches here are padded to their longest response only: pass H explicitly.
+            norm_constant=float(d.max_response_length),
             entropy_coeff=a.entropy_coeff,
             use_kl_loss=a.kl.use_kl_loss,
             kl_loss_coef=a.kl.kl_loss_coef,
@@ -123,7 +136,7 @@ class Trainer:
                 bf16=bf16,
                 micro_batch_size=mbs,
             )
-            if a.name == "ppo"
+            if a.effective_advantage_estimator in CRITIC_ESTIMATORS
             else None
         )
         from rlkube.runtime.weights import WeightSender
@@ -215,28 +228,38 @@ class Trainer:
     def train(
         self, samples: Sequence[Sample], timing: dict[str, float], *, step_lr: bool = True
     ) -> dict[str, float]:
-        """old log-prob -> (ref) -> (values) -> advantages -> ppoEpochs x mini-batch updates.
+        """old log-prob -> (rollout correction) -> (ref) -> (values) -> advantages -> ppoEpochs x
+        mini-batch updates.
 
         The old log-prob pass is skipped when the update is one epoch over one mini-batch (pi_old is
         the current weights: the update uses its own detached log-probs, ratio == 1) and the KL is
-        not in the reward (that needs old log-probs before the advantages); ``actor/kl_ref`` then
-        comes from the update's detached log-probs, which are the same pre-update log-probs.
+        not in the reward (that needs old log-probs before the advantages) and no rollout correction
+        is asked for; ``actor/kl_ref`` then comes from the update's detached log-probs, which are the
+        same pre-update log-probs.
         """
         spec = self.spec
         a = spec.algorithm
         batch = collate(samples, self.pad_id)
-        mask = batch.response_mask
         n_groups = len(set(batch.group_index.tolist()))
         num_mini = max(1, round(n_groups / spec.training.mini_batch_size))
         kl_type = a.kl.kl_penalty if a.kl.in_reward else a.kl.kl_loss_type
-        old_pass = needs_old_logprob_pass(num_mini, a.ppo_epochs) or (a.kl.in_reward and self.ref is not None)
+        correction = a.effective_rollout_correction
+        old_pass = (
+            needs_old_logprob_pass(num_mini, a.ppo_epochs)
+            or (a.kl.in_reward and self.ref is not None)
+            or correction.mode != "off"  # the weights compare pi_old with the engine before the update
+        )
         old_logp = None
         t0 = time.perf_counter()
         if old_pass:
             old_logp, _ = self.actor.compute_logprobs(batch)
             batch.extras["old_logp"] = old_logp
-        timing["old_log_prob"] = timing.get("old_log_prob", 0.0) + time.perf_counter() - t0
         metrics: dict[str, float] = {"actor/old_logprob_pass": float(old_pass)}
+        if correction.mode != "off":
+            assert old_logp is not None
+            metrics.update(self._rollout_correction(batch, old_logp, samples))
+        timing["old_log_prob"] = timing.get("old_log_prob", 0.0) + time.perf_counter() - t0
+        mask = batch.response_mask
         token_rewards = None
         if self.ref is not None:
             t0 = time.perf_counter()
@@ -248,8 +271,6 @@ class Trainer:
                 metrics["actor/kl_ref"] = float(masked_mean(kl, mask))
         t0 = time.perf_counter()
         if a.kl.in_reward and self.ref is not None:
-            from rlkube.runtime.algos import scores_to_token_rewards
-
             base = scores_to_token_rewards(batch.scores, mask)
             assert old_logp is not None  # the KL in the reward always takes the old log-prob pass
             kl = kl_penalty(old_logp, batch.extras["ref_logp"], a.kl.kl_penalty)
@@ -258,7 +279,7 @@ class Trainer:
             values = self.critic.compute_values(batch)
             batch.extras["values"] = values
             adv, returns = compute_advantages(
-                "gae",
+                a.effective_advantage_estimator,
                 mask=mask,
                 scores=batch.scores,
                 token_rewards=token_rewards,
@@ -269,7 +290,7 @@ class Trainer:
             batch.extras["returns"] = returns
         else:
             adv, _ = compute_advantages(
-                a.name,
+                a.effective_advantage_estimator,
                 mask=mask,
                 scores=None if token_rewards is not None else batch.scores,
                 token_rewards=token_rewards,
@@ -277,6 +298,8 @@ class Trainer:
                 norm_by_std=a.norm_adv_by_std,
             )
         batch.extras["advantages"] = adv
+        if "rollout_loss_mask" in batch.extras:  # mis: the tokens outside [1/C, C] leave the loss
+            batch.response_mask = batch.extras.pop("rollout_loss_mask")
         timing["adv"] = timing.get("adv", 0.0) + time.perf_counter() - t0
         # Mini-batches of whole prompt groups, in a fresh random order of groups.
         groups: dict[int, list[int]] = {}
@@ -302,6 +325,33 @@ class Trainer:
             metrics["actor/kl_ref"] = float(masked_mean(kl, batch.response_mask))
         metrics["actor/updates"] = float(num_mini * a.ppo_epochs)
         return metrics
+
+    def _rollout_correction(
+        self, batch: Batch, old_logp: torch.Tensor, samples: Sequence[Sample]
+    ) -> dict[str, float]:
+        """Put the rollout-correction weights and the loss mask (fewer tokens for mis) in
+        ``batch.extras``; return the ``rollout_corr/*`` metrics. Advantages still see every token.
+
+        The engines report raw (temperature-1) log-probs, so the trainer's side is taken at
+        temperature 1 too: one more forward when the sampling temperature is not 1.
+        """
+        rc = self.spec.algorithm.effective_rollout_correction
+        rollout_logp = batch.extras.get("rollout_logp")
+        if rollout_logp is None:
+            bad = next(s for s in samples if len(s.rollout_logprobs) != len(s.response_ids))
+            raise ValueError(
+                "algorithm.rolloutCorrection needs the engine's log-prob of every response token, but "
+                f"sample {bad.group!r} has {len(bad.rollout_logprobs)} for {len(bad.response_ids)} tokens "
+                f"(rollout.engine {self.spec.rollout.engine}): use an engine that returns them or remove "
+                "rolloutCorrection"
+            )
+        trainer_logp = old_logp
+        if self.loss_cfg.temperature != 1.0:
+            trainer_logp, _ = self.actor.compute_logprobs(batch, temperature=1.0)
+        corr = rollout_correction(trainer_logp, rollout_logp, batch.response_mask, rc.mode, rc.threshold)
+        batch.extras["rollout_is_weights"] = corr.weights
+        batch.extras["rollout_loss_mask"] = corr.mask
+        return corr.as_dict()
 
     # -- weights -----------------------------------------------------------------------------
     def weight_buckets(self, version: int) -> list[Any]:

@@ -18,14 +18,15 @@ from pathlib import Path
 from typing import Any
 
 from rlkube.api import RLJob, colocated, ray_resource_name
+from rlkube.api.contract import ENV_RLJOB_NAME, ENV_RLJOB_NAMESPACE
 from rlkube.runtime.trainer.loop import RunResult
 
 log = logging.getLogger(__name__)
 
 # Env every actor gets: never the repo root on sys.path, one thread per process on shared CPUs.
 _PASS_ENV = (
-    "RLKUBE_RLJOB_NAME",
-    "RLKUBE_RLJOB_NAMESPACE",
+    ENV_RLJOB_NAME,
+    ENV_RLJOB_NAMESPACE,
     "RLKUBE_KUBECONFIG",
     "KUBECONFIG",
     "RLKUBE_PLATFORM",

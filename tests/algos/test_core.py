@@ -47,9 +47,10 @@ def test_masked_whiten() -> None:
     ("mode", "expected"),
     [
         ("token-mean", 10.0 / 4.0),  # (1+2+3+4) / 4 tokens
+        ("token-sum", 10.0),  # no normalisation at all
         ("seq-mean-token-sum", (6.0 + 4.0) / 2.0),
         ("seq-mean-token-mean", (2.0 + 4.0) / 2.0),
-        ("seq-mean-token-sum-norm", 10.0 / 3.0),  # / T = 3, no division by B (verl)
+        ("seq-mean-token-sum-norm", 10.0 / (3.0 * 2.0)),  # / (T = 3) / (B = 2), as verl 0.9
     ],
 )
 def test_every_aggregation_mode(mode: str, expected: float) -> None:
@@ -57,7 +58,26 @@ def test_every_aggregation_mode(mode: str, expected: float) -> None:
 
 
 def test_sum_norm_uses_the_given_constant() -> None:
-    assert aggregate_loss(LOSS, MASK, "seq-mean-token-sum-norm", norm_constant=5).item() == pytest.approx(2.0)
+    assert aggregate_loss(LOSS, MASK, "seq-mean-token-sum-norm", norm_constant=5).item() == pytest.approx(1.0)
+
+
+def test_sum_norm_is_dr_grpo_equation() -> None:
+    # Dr. GRPO (Liu et al. 2025, eq. 2): (1/G) sum_i sum_t l_it, here also / H = the max response length,
+    # so it is seq-mean-token-sum / H, and a longer response weighs more (no 1/|o_i|).
+    g = torch.Generator().manual_seed(3)
+    loss = torch.randn(4, 6, generator=g, dtype=torch.float64)
+    mask = torch.tensor([[1] * 6, [1] * 2 + [0] * 4, [1] * 5 + [0], [0] * 6])  # one empty row counts in G
+    horizon = 16.0
+    by_hand = sum(float(loss[i, t]) for i in range(4) for t in range(6) if mask[i, t]) / (4 * horizon)
+    got = aggregate_loss(loss, mask, "seq-mean-token-sum-norm", norm_constant=horizon)
+    assert got.item() == pytest.approx(by_hand, rel=1e-12)
+    seq_sum = aggregate_loss(loss, mask, "seq-mean-token-sum")
+    assert got.item() == pytest.approx(seq_sum.item() / horizon, rel=1e-12)
+
+
+def test_token_sum_does_not_depend_on_the_counts() -> None:
+    kw = {"global_tokens": 99, "global_seqs": 7, "norm_constant": 3.0}
+    assert aggregate_loss(LOSS, MASK, "token-sum", **kw).item() == pytest.approx(10.0)  # type: ignore[arg-type]
 
 
 def test_seq_mean_token_mean_counts_an_empty_sequence_as_zero() -> None:
@@ -111,7 +131,7 @@ def test_micro_batches_with_global_counts_sum_to_the_full_batch_token_mean() -> 
     rows=st.integers(2, 6),
     cols=st.integers(1, 5),
     seed=st.integers(0, 10_000),
-    mode=st.sampled_from(AGG_MODES),
+    mode=st.sampled_from(tuple(AGG_MODES)),
     data=st.data(),
 )
 def test_micro_batch_split_equals_full_batch_for_every_mode(

@@ -127,7 +127,7 @@ def test_policy_loss_aggregation_mode_is_applied() -> None:
     norm, _ = ppo_policy_loss(
         logp2, torch.zeros_like(logp2), adv, mask, agg_mode="seq-mean-token-sum-norm", norm_constant=14
     )
-    assert norm.item() == pytest.approx(-7 / 14)
+    assert norm.item() == pytest.approx(-7 / (14 * 2))  # / H / B
 
 
 def test_value_loss_clipped() -> None:

@@ -1,4 +1,7 @@
-"""Hypothesis properties that must hold for any input (complementing the hand-computed cases)."""
+"""Hypothesis properties that must hold for any input (complementing the hand-computed cases).
+
+The examples are derandomized (tests/conftest.py loads that profile): the same ones on every run.
+"""
 
 from __future__ import annotations
 
@@ -34,12 +37,39 @@ def test_group_advantages_sum_to_zero_within_each_group(rg: tuple[list[float], l
 def test_grpo_is_invariant_to_affine_reward_changes(
     rg: tuple[list[float], list[int]], scale: float, shift: float
 ) -> None:
-    # z-scores do not change under r -> a*r + b (a > 0); eps is made negligible.
+    # z-scores do not change under r -> a*r + b (a > 0); eps is made negligible. An all-equal group is
+    # exactly 0 on both sides (not a float residue divided by a ~1e-16 std + eps).
     r = torch.tensor(rg[0], dtype=torch.float64)
     g = torch.tensor(rg[1])
     a = grpo_advantages(r, g, eps=1e-12)
     b = grpo_advantages(r * scale + shift, g, eps=1e-12)
     assert torch.allclose(a, b, atol=1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.integers(2, 12),
+    st.floats(-1e6, 1e6, allow_nan=False),
+    st.floats(1e-3, 1e3),
+    st.floats(-1e3, 1e3),
+    st.sampled_from([0.0, 1e-12, 1e-6, 0.1]),
+)
+def test_an_all_equal_group_gets_exactly_zero(
+    n: int, r: float, scale: float, shift: float, eps: float
+) -> None:
+    rewards = torch.full((n,), r, dtype=torch.float64) * scale + shift
+    g = torch.zeros(n, dtype=torch.long)
+    assert grpo_advantages(rewards, g, eps=eps).abs().max().item() == 0.0
+    assert rloo_advantages(rewards, g).abs().max().item() == 0.0
+
+
+def test_the_reported_all_equal_case_is_exactly_zero() -> None:
+    # Seven rewards of 0.99999 with eps 1e-12 gave -1e-4 (a float std of ~1e-16 survived the division).
+    r = torch.full((7,), 0.99999, dtype=torch.float64)
+    g = torch.zeros(7, dtype=torch.long)
+    for scale, shift in ((1.0, 0.0), (0.5, -3.0), (4.0, 3.0)):
+        assert grpo_advantages(r * scale + shift, g, eps=1e-12).tolist() == [0.0] * 7
+    assert grpo_advantages(r.float(), g, eps=1e-12).tolist() == [0.0] * 7
 
 
 @settings(max_examples=40, deadline=None)

@@ -123,6 +123,16 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ),
     ("grpo-group-of-one", merge(minimal(), {"algorithm": {"groupSize": 1}}), "spec.algorithm.groupSize"),
     (
+        "rloo-group-of-one",
+        merge(minimal(), {"algorithm": {"name": "ppo", "advantageEstimator": "rloo", "groupSize": 1}}),
+        "spec.algorithm.groupSize",
+    ),
+    (
+        "gspo-token-mean",
+        merge(minimal(), {"algorithm": {"policyLoss": "gspo", "lossAggregation": "token-mean"}}),
+        "spec.algorithm.lossAggregation",
+    ),
+    (
         "overlong-buffer-too-long",
         merge(
             minimal(),
@@ -175,3 +185,21 @@ BAD_PYTHON_ONLY: list[tuple[str, dict[str, Any], str]] = [
         "spec.mounts[0].mountPath",
     ),
 ]
+
+
+UID = "0b7c6a1e-0000-4000-8000-000000000001"
+
+
+def admit_and_render(
+    raw: dict[str, Any], *, namespace: str = "ns", uid: str = UID, defaults: Any = None
+) -> Any:
+    """What the operator does with a live RLJob: validate and resolve once, then render the resolved job.
+
+    Raises InvalidRLJob for a spec the operator refuses (it then renders nothing).
+    """
+    from rlkube.api import check, parse_rljob, resolve
+    from rlkube.operator.render import render_children
+
+    job = parse_rljob(raw)
+    job = job.model_copy(update={"metadata": {**job.metadata, "namespace": namespace, "uid": uid}})
+    return render_children(resolve(check(job)), defaults)

@@ -10,11 +10,9 @@ from typing import Any
 
 import pytest
 import yaml
-from specs import BAD, EXAMPLES, minimal
+from specs import BAD, EXAMPLES, admit_and_render, minimal
 
-from rlkube.api import parse_rljob
 from rlkube.devcluster.testing import Kubectl
-from rlkube.operator.render import render_children
 
 CRD = Path(__file__).resolve().parents[2] / "crds" / "rljobs.rlkube.io.yaml"
 
@@ -38,10 +36,7 @@ def test_examples_apply_and_their_children_are_accepted(
     raw = yaml.safe_load(path.read_text())
     done = _dry_run(kubectl, namespace, raw)
     assert done.returncode == 0, done.stderr
-    job = parse_rljob(raw)
-    children = render_children(
-        job, name=job.name, namespace=namespace, uid="0b7c6a1e-0000-4000-8000-000000000001"
-    )
+    children = admit_and_render(raw, namespace=namespace)
     text = yaml.safe_dump_all(children.all())
     done = kubectl("apply", "--dry-run=server", "--validate=strict", "-f", "-", input=text, check=False)
     assert done.returncode == 0, done.stderr

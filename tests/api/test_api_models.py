@@ -130,7 +130,7 @@ def test_resolved_spec_round_trips_with_every_default_written(tmp_path: Path) ->
     assert s.gpu.resource_name == "amd.com/gpu"
     assert [t.key for t in s.gpu.tolerations or []] == ["amd.com/gpu"]
     assert s.checkpoint.path == "/checkpoints"
-    assert back.metadata == {"name": "job", "namespace": "ns"}
+    assert back.metadata == {"name": "job", "namespace": "ns", "annotations": {"rlkube.io/resolved": "true"}}
     assert "status" not in yaml.safe_load(text)
 
 

@@ -8,7 +8,7 @@ import shlex
 import tomllib
 from pathlib import Path
 
-from rlkube.runtime.platform import env
+from rlkube.api import platform_env as env
 
 REPO = Path(__file__).resolve().parents[2]
 DOCKERFILE = REPO / "Dockerfile.rocm"

@@ -7,44 +7,13 @@ from typing import Any
 
 import yaml
 
+from rlkube.devcluster.tiny_task import tiny_rljob
 from rlkube.runtime.metrics import read_jsonl
 
 
 def learning_job(path: Path, task: Any, mode: str, **over: Any) -> Path:
-    spec: dict[str, Any] = {
-        "model": {"path": str(task.model_dir), "dtype": "float32", "gradientCheckpointing": False},
-        "data": {
-            "train": str(task.train_path),
-            "validation": str(task.heldout_path),
-            "reward": "arith",
-            "maxPromptLength": 8,
-            "maxResponseLength": 4,
-        },
-        "algorithm": {"name": "grpo", "groupSize": 8, "temperature": 1.0},
-        "training": {
-            "mode": mode,
-            "totalSteps": 150,
-            "trainBatchSize": 32,
-            "miniBatchSize": 16,
-            "microBatchSize": 128,
-            "learningRate": 5.0e-4,
-            "warmupSteps": 5,
-            "lrSchedule": "cosine",
-            "evalIntervalSteps": 10,
-        },
-        "trainer": {"gpusPerReplica": 0},
-        "rollout": {"engine": "hf"},
-        "gpu": {"vendor": "cpu"},
-        "checkpoint": {"intervalSteps": 50},
-    }
-    for k, v in over.items():
-        spec[k] = {**spec[k], **v} if isinstance(v, dict) and isinstance(spec.get(k), dict) else v
-    doc = {
-        "apiVersion": "rlkube.io/v1alpha1",
-        "kind": "RLJob",
-        "metadata": {"name": f"learn-{mode}"},
-        "spec": spec,
-    }
+    """The tiny RLJob for a learning run: 150 steps, the API's default trainer resources."""
+    doc = tiny_rljob(task, name=f"learn-{mode}", mode=mode, trainer={"gpusPerReplica": 0}, **over)
     path.write_text(yaml.safe_dump(doc))
     return path
 

@@ -7,7 +7,9 @@ from typing import Any
 
 import yaml
 
-from rlkube.devcluster.testing import Kubectl
+from rlkube.devcluster.testing import Kubectl, token_kubeconfig
+
+__all__ = ["REPO", "condition", "events_for", "example", "rljob", "small_rljob", "token_kubeconfig"]
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -52,21 +54,3 @@ def condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
 def events_for(kubectl: Kubectl, ns: str, name: str) -> list[dict[str, Any]]:
     out = kubectl.json("-n", ns, "get", "events", "--field-selector", f"involvedObject.name={name}")
     return list(out.get("items") or [])
-
-
-def token_kubeconfig(kubectl: Kubectl, path: Path, ns: str, sa: str) -> Kubectl:
-    """A kubeconfig that authenticates as ServiceAccount ns/sa with a real bound token."""
-    token = kubectl("-n", ns, "create", "token", sa, "--duration=10m").stdout.strip()
-    admin = yaml.safe_load(kubectl.kubeconfig.read_text())
-    ctx = next(c for c in admin["contexts"] if c["name"] == admin["current-context"])["context"]
-    cluster = next(c for c in admin["clusters"] if c["name"] == ctx["cluster"])
-    cfg = {
-        "apiVersion": "v1",
-        "kind": "Config",
-        "clusters": [{"name": "c", "cluster": cluster["cluster"]}],
-        "users": [{"name": sa, "user": {"token": token}}],
-        "contexts": [{"name": "sa", "context": {"cluster": "c", "user": sa, "namespace": ns}}],
-        "current-context": "sa",
-    }
-    path.write_text(yaml.safe_dump(cfg))
-    return Kubectl(path)

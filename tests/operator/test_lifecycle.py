@@ -465,6 +465,33 @@ def test_kueue_queue_label_passes_through_and_suspend_is_left_to_kueue(
     assert operator.metric("rlkube_reconcile_errors_total") == 0
 
 
+def test_suspend_under_a_kueue_queue_is_reported_as_a_warning_event_once(
+    kubectl: Kubectl, namespace: str, operator: OperatorProcess, wait_for: WaitFor
+) -> None:
+    """spec.suspend does nothing while Kueue owns the RayJob: the user is told on the RLJob, once."""
+    ns = namespace
+    body = small_rljob("held", gpus=1, suspend=True)
+    body["metadata"]["labels"] = {"kueue.x-k8s.io/queue-name": "gpu-queue"}
+    apply(kubectl, ns, body)
+
+    def ignored() -> list[dict[str, Any]]:
+        return [e for e in events_for(kubectl, ns, "held") if e["reason"] == "SuspendIgnored"]
+
+    seen = wait_for(lambda: ignored() or None, 30, describe(kubectl, ns, "held"))
+    assert seen[0]["type"] == "Warning" and "Kueue owns suspend" in seen[0]["message"]
+    assert seen[0]["involvedObject"]["kind"] == "RLJob"
+    assert "suspend" not in kubectl.json("-n", ns, "get", "rayjob", "held")["spec"]
+    # A later edit re-renders the same warning: it is not posted again.
+    patch = '{"spec":{"training":{"totalSteps":20}}}'
+    kubectl("-n", ns, "patch", "rljob", "held", "--type=merge", "-p", patch)
+    wait_for(
+        lambda: rljob(kubectl, ns, "held")["status"].get("observedGeneration") == 2,
+        30,
+        describe(kubectl, ns, "held"),
+    )
+    assert len(ignored()) == 1
+
+
 # ------------------------------------------------------------------------------ progress from runtime
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from rlkube.operator.status import Observed, derive, operator_status_view, transitions
+from rlkube.operator.status import Observed, condition_dict, derive, operator_status_view, transitions
 
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 
@@ -189,7 +189,7 @@ def test_last_transition_time_kept_while_status_unchanged() -> None:
     first = derive(
         obs(ray_job=ray_job(), ray_cluster=cluster(), pods=[pod("h", "head", ready=False)]), now=NOW
     )
-    prev = [c.to_dict() for c in first.conditions]
+    prev = [condition_dict(c) for c in first.conditions]
     later = NOW + timedelta(minutes=5)
     cs = [{"name": "c", "state": {"waiting": {"reason": "ErrImagePull", "message": "x"}}}]
     second = derive(

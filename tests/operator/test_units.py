@@ -8,7 +8,7 @@ from optest_helpers import small_rljob
 
 from rlkube.operator.cache import Cache, JobState
 from rlkube.operator.kube import resource_of
-from rlkube.operator.reconciler import format_field_error, prepare_child, validate_body
+from rlkube.operator.reconciler import format_field_error, validate_body
 
 
 def test_request_resource_labels_stay_low_cardinality() -> None:
@@ -17,21 +17,6 @@ def test_request_resource_labels_stay_low_cardinality() -> None:
     assert resource_of("/api/v1/namespaces/ns/events") == "events"
     assert resource_of("/api/v1/pods") == "pods"
     assert resource_of("/api/v1/namespaces") == "namespaces"
-
-
-def test_kueue_managed_rayjob_never_carries_suspend_and_gets_the_labels() -> None:
-    rj = {
-        "apiVersion": "ray.io/v1",
-        "kind": "RayJob",
-        "metadata": {"name": "j"},
-        "spec": {"suspend": False, "x": 1},
-    }
-    out = prepare_child(rj, name="j", labels={"kueue.x-k8s.io/queue-name": "q", "team": "a"})
-    assert "suspend" not in out["spec"] and out["spec"]["x"] == 1
-    assert out["metadata"]["labels"] == {"rlkube.io/rljob": "j", "kueue.x-k8s.io/queue-name": "q"}
-    plain = prepare_child(rj, name="j", labels={})
-    assert plain["spec"]["suspend"] is False
-    assert rj["spec"] == {"suspend": False, "x": 1}  # the rendered object is not mutated
 
 
 def test_field_errors_name_the_field() -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 from conftest import write_rocm_smi
 
+from rlkube.api import platform_env as env
 from rlkube.runtime.platform import (
     CpuPlatform,
     CudaPlatform,
@@ -23,7 +24,6 @@ from rlkube.runtime.platform import (
     base,
     current_platform,
     detect_platform,
-    env,
     get_platform,
     register_platform,
     registered_platforms,
@@ -233,7 +233,7 @@ def test_third_party_platform_via_entry_point(tmp_path: Path, monkeypatch: pytes
 
 def test_env_tables_import_without_torch_and_print_the_image_env() -> None:
     code = (
-        "import sys, rlkube.runtime.platform, rlkube.runtime.platform.env as e;"
+        "import sys, rlkube.runtime.platform, rlkube.api.platform_env as e;"
         "assert 'torch' not in sys.modules, 'torch imported';"
         "print(e.ray_container_env('amd', 'sglang')['SGLANG_ATTENTION_BACKEND'])"
     )
@@ -241,7 +241,7 @@ def test_env_tables_import_without_torch_and_print_the_image_env() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=envv, check=True)
     assert out.stdout.strip() == "triton"
     out = subprocess.run(
-        [sys.executable, "-m", "rlkube.runtime.platform.env", "--dockerfile-env"],
+        [sys.executable, "-m", "rlkube.runtime.platform", "--dockerfile-env"],
         capture_output=True,
         text=True,
         env=envv,

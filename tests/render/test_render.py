@@ -9,25 +9,17 @@ from typing import Any
 
 import pytest
 import yaml
-from specs import EXAMPLES, cpu, merge, minimal, separate
+from specs import EXAMPLES, UID, admit_and_render, cpu, merge, minimal, separate
 
-from rlkube.api import InvalidRLJob, parse_rljob, resolve
+from rlkube.api import InvalidRLJob, RenderDefaults, parse_rljob, resolve
 from rlkube.api.models import RLJob
-from rlkube.operator.render import (
-    MAX_RAYJOB_NAME,
-    Children,
-    RenderDefaults,
-    ray_job_name,
-    render_children,
-)
-from rlkube.runtime.platform.env import ray_container_env
-
-UID = "0b7c6a1e-0000-4000-8000-000000000001"
+from rlkube.api.platform_env import ray_container_env
+from rlkube.operator.render import MAX_RAYJOB_NAME, Children, ray_job_name, render_children
 
 
 def render(job: dict[str, Any], defaults: RenderDefaults | None = None) -> Children:
-    rl = parse_rljob(job)
-    return render_children(rl, name=rl.name, namespace="ns", uid=UID, operator_image_defaults=defaults)
+    rendered: Children = admit_and_render(job, defaults=defaults)
+    return rendered
 
 
 def cluster(ch: Children) -> dict[str, Any]:
@@ -143,6 +135,14 @@ def test_rocr_in_user_env_is_refused_and_nothing_is_rendered() -> None:
         render(merge(minimal(), {"env": [{"name": "ROCR_VISIBLE_DEVICES", "value": "0,1"}]}))
     assert [e.field for e in exc.value.errors] == ["spec.env"]
     assert "ROCR_VISIBLE_DEVICES" in str(exc.value)
+
+
+def test_the_renderer_takes_only_a_resolved_job() -> None:
+    job = parse_rljob(minimal())
+    job = job.model_copy(update={"metadata": {**job.metadata, "uid": UID}})
+    with pytest.raises(ValueError, match="resolve"):
+        render_children(job)
+    assert render_children(resolve(job)).ray_job["metadata"]["name"] == "job"
 
 
 def test_rocr_from_admin_defaults_is_dropped() -> None:

@@ -13,10 +13,7 @@ from typing import Any
 import jsonschema
 import pytest
 import yaml
-from specs import EXAMPLES
-
-from rlkube.api import parse_rljob
-from rlkube.operator.render import render_children
+from specs import EXAMPLES, admit_and_render
 
 
 @functools.cache
@@ -62,15 +59,13 @@ def _closed(node: Any) -> Any:
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
 def test_rendered_rayjob_matches_the_kuberay_crd(path: Path) -> None:
-    job = parse_rljob(yaml.safe_load(path.read_text()))
-    rayjob = render_children(job, name=job.name, namespace="ns", uid="u").ray_job
+    rayjob = admit_and_render(yaml.safe_load(path.read_text())).ray_job
     errors = _errors(rayjob)
     assert not errors, "\n".join(errors[:10])
 
 
 def test_the_schema_check_catches_a_mistyped_field() -> None:
-    job = parse_rljob(yaml.safe_load(EXAMPLES[0].read_text()))
-    rayjob = render_children(job, name=job.name, namespace="ns", uid="u").ray_job
+    rayjob = admit_and_render(yaml.safe_load(EXAMPLES[0].read_text())).ray_job
     rayjob["spec"]["rayClusterSpec"]["workerGroupSpecs"][0]["replica"] = 1
     rayjob["spec"]["backoffLimit"] = "2"
     assert len(_errors(rayjob)) == 2

@@ -43,7 +43,7 @@ def _batch_with_extras(worker: PolicyWorker) -> Any:
     return b
 
 
-@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("agg", ["token-mean", "token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_micro_batching_gives_the_same_update_as_one_big_batch(tiny_task: Any, agg: str) -> None:
     """Token-mean over a mini-batch must not depend on how it is cut into micro-batches."""
     params = []

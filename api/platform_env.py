@@ -1,24 +1,38 @@
 """Environment tables per GPU vendor and rollout engine.
 
 Pure data and functions, importable without torch or any GPU library: the operator renders
-pod env from here, the runtime applies the same values in-process and the ROCm image's ENV is
-generated from (and tested equal to) them, so there is one source of truth for the ROCm decisions.
+pod env from here, the runtime (rlkube.runtime.platform) applies the same values in-process and
+the ROCm image's ENV is generated from (and tested equal to) them, so there is one source of
+truth for the ROCm decisions. It lives in the shared contract because both halves read it.
 
 `python -m rlkube.runtime.platform --dockerfile-env` prints the image's ENV block.
 """
 
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Any
 
-Vendor = Literal["amd", "nvidia", "cpu"]
-Engine = Literal["vllm", "sglang", "hf"]
+from .contract import ENGINES, VENDORS, Engine, Vendor
 
-VENDORS: tuple[str, ...] = ("amd", "nvidia", "cpu")
-ENGINES: tuple[str, ...] = ("vllm", "sglang", "hf")
+__all__ = [
+    "BASE_ENV",
+    "ENGINES",
+    "ENGINE_ARGS",
+    "ENGINE_ENV",
+    "GPU_RESOURCE_NAMES",
+    "RAY_NOSET_ENV",
+    "VENDORS",
+    "Engine",
+    "Vendor",
+    "dockerfile_env",
+    "engine_args",
+    "engine_env",
+    "gpu_resource_name",
+    "ray_container_env",
+    "render_dockerfile_env",
+    "trainer_env",
+]
 
 GPU_RESOURCE_NAMES: dict[str, str] = {"amd": "amd.com/gpu", "nvidia": "nvidia.com/gpu"}
 
@@ -141,22 +155,3 @@ def render_dockerfile_env(env: Mapping[str, str] | None = None) -> str:
     items = sorted((env if env is not None else dockerfile_env()).items())
     lines = [f'    {k}="{v}"' for k, v in items]
     return "ENV " + " \\\n".join(lines).lstrip() + "\n"
-
-
-def main(argv: list[str] | None = None) -> int:
-    """CLI: print the image's ENV block or one vendor/engine table."""
-    p = argparse.ArgumentParser(prog="python -m rlkube.runtime.platform.env")
-    p.add_argument("--dockerfile-env", action="store_true", help="print Dockerfile.rocm's ENV block")
-    p.add_argument("--vendor", choices=VENDORS, default="amd")
-    p.add_argument("--engine", choices=ENGINES, default="vllm")
-    a = p.parse_args(argv)
-    if a.dockerfile_env:
-        sys.stdout.write(render_dockerfile_env())
-    else:
-        for k, v in sorted(ray_container_env(a.vendor, a.engine).items()):
-            sys.stdout.write(f"{k}={v}\n")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
