@@ -60,6 +60,13 @@ def release(
         }
     finally:
         helm("uninstall", name, "-n", namespace, "--wait", kubeconfig=kubectl.kubeconfig, check=False)
+        # The operator is gone: nothing would remove its finalizers, and a cluster-wide operator of a
+        # later test would pick the RLJobs up while their namespace is terminating.
+        for ns in (jobs_ns, namespace):
+            for job in kubectl("-n", ns, "get", "rljobs", "-o", "name", check=False).stdout.split():
+                unfinalize = '{"metadata":{"finalizers":null}}'
+                kubectl("-n", ns, "patch", job, "--type=merge", "-p", unfinalize, check=False)
+            kubectl("-n", ns, "delete", "rljobs", "--all", "--wait=true", check=False, timeout=60)
         kubectl("delete", "namespace", jobs_ns, "--wait=false", check=False)
 
 

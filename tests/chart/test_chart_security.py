@@ -268,14 +268,16 @@ def test_the_operators_token_cannot_reach_system_namespaces_or_objects_it_does_n
         "apiVersion": "rbac.authorization.k8s.io/v1",
         "kind": "Role",
         "metadata": _owned("wide"),
-        "rules": [{"apiGroups": ["rlkube.io"], "resources": ["rljobs"], "verbs": ["get"]}],
+        # rights the operator holds (so RBAC's escalation check lets it grant them), but not RLJob-only
+        "rules": [{"apiGroups": [""], "resources": ["configmaps"], "verbs": ["get"]}],
     }
     refused = apply(jobs, wide_role)
     assert "may only grant access to named RLJobs" in refused.stderr, refused.stderr
     for verb, res in (
         ("get", "secrets"),
         ("create", "pods"),
-        ("delete", "configmaps"),
+        ("delete", "rayjobs.ray.io"),
+        ("delete", "pods"),
         ("update", "rljobs.rlkube.io"),
     ):
         assert (

@@ -17,29 +17,27 @@ from typing import Any
 import pytest
 import yaml
 from optest_fixtures import OperatorProcess
-from optest_helpers import REPO, condition, events_for, rljob, small_rljob, token_kubeconfig
+from optest_helpers import (
+    REPO,
+    apply,
+    cond_is,
+    condition,
+    describe,
+    events_for,
+    rljob,
+    small_rljob,
+    token_kubeconfig,
+)
 
 from rlkube.devcluster.testing import Kubectl
 
 WaitFor = Callable[..., Any]
 
 
-def apply(kubectl: Kubectl, ns: str, body: dict[str, Any]) -> None:
-    kubectl("-n", ns, "apply", "-f", "-", input=yaml.safe_dump(body))
-
-
 def phase_is(kubectl: Kubectl, ns: str, name: str, *phases: str) -> Callable[[], dict[str, Any] | None]:
     def check() -> dict[str, Any] | None:
         obj = rljob(kubectl, ns, name)
         return obj if (obj.get("status") or {}).get("phase") in phases else None
-
-    return check
-
-
-def cond_is(kubectl: Kubectl, ns: str, name: str, type_: str, status: str, reason: str | None = None) -> Any:
-    def check() -> dict[str, Any] | None:
-        c = condition(rljob(kubectl, ns, name), type_)
-        return c if c.get("status") == status and (reason is None or c.get("reason") == reason) else None
 
     return check
 
@@ -59,10 +57,6 @@ def gpu_pods_running(kubectl: Kubectl, ns: str, cluster: str) -> list[dict[str, 
 
 def ray_cluster_of(kubectl: Kubectl, ns: str, rayjob: str) -> str:
     return str(kubectl.json("-n", ns, "get", "rayjob", rayjob)["status"].get("rayClusterName") or "")
-
-
-def describe(kubectl: Kubectl, ns: str, name: str) -> Callable[[], Any]:
-    return lambda: rljob(kubectl, ns, name)
 
 
 # ----------------------------------------------------------------------------------------- happy path

@@ -30,27 +30,29 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 
 {{/*
 The operator's rules in a served namespace (a Role in namespaced mode, the ClusterRole in cluster mode).
-Least privilege: no Secrets, no delete (children go by the garbage collector), no escalate/bind, no
-update. Each verb is used; docs/operator.md has the table and tests/chart proves it against the
-operator's own request log.
-- rljobs: Kopf lists/watches them and patches its finalizer + bookkeeping annotations. get (and get on
-  rljobs/status) only because each RLJob's runtime Role grants it, and RBAC lets the operator grant
-  only what it holds.
-- rljobs/status: the operator writes phase/conditions (merge patch).
+Least privilege: no Secrets, no escalate/bind, no update, delete only to undo its own refused attempt.
+Each verb is used; docs/operator.md has the table and tests/chart proves it against the operator's own
+request log.
+- rljobs: Kopf lists/watches them and patches its finalizer + bookkeeping annotations.
+- rljobs/status: phase/conditions (merge patch). Also what each RLJob's runtime Role grants (patch on
+  that RLJob's status), which RBAC lets the operator grant because it holds it.
 - rljobs/finalizers update: children's ownerReferences set blockOwnerDeletion, which the
   OwnerReferencesPermissionEnforcement admission plugin checks where it is enabled.
-- rayjobs and the per-RLJob configmaps, serviceaccounts, roles, rolebindings: get (ownership check
-  before applying), create (new child), patch (server-side apply), list/watch (the watch cache).
+- rayjobs and the per-RLJob configmaps, serviceaccounts, roles, rolebindings: get (the ownership check
+  before any write), create + patch (server-side apply), list/watch (the watch cache). delete on the
+  four kinds created before the RayJob: when the API server refuses a later child, the ones this
+  attempt created are deleted again (uid-preconditioned; the operator guard allows deleting only
+  RLJob-owned objects).
 - rayclusters, pods: read-only (list/watch) for status. events: Warning events are watched, our own
   are created.
 */}}
 {{- define "rlkube.rules" -}}
 - apiGroups: ["rlkube.io"]
   resources: ["rljobs"]
-  verbs: ["get", "list", "watch", "patch"]
+  verbs: ["list", "watch", "patch"]
 - apiGroups: ["rlkube.io"]
   resources: ["rljobs/status"]
-  verbs: ["get", "patch"]
+  verbs: ["patch"]
 - apiGroups: ["rlkube.io"]
   resources: ["rljobs/finalizers"]
   verbs: ["update"]
@@ -68,10 +70,10 @@ operator's own request log.
   verbs: ["list", "watch", "create"]
 - apiGroups: [""]
   resources: ["configmaps", "serviceaccounts"]
-  verbs: ["get", "list", "watch", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 - apiGroups: ["rbac.authorization.k8s.io"]
   resources: ["roles", "rolebindings"]
-  verbs: ["get", "list", "watch", "create", "patch"]
+  verbs: ["get", "list", "watch", "create", "patch", "delete"]
 {{- end -}}
 
 {{/* The namespaces cluster mode never serves: the configured ones and (unless asked) our own. */}}
