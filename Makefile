@@ -8,12 +8,13 @@ DEVCLUSTER := $(VENV)/bin/rlkube-devcluster
 NODES ?= 4
 GPUS_PER_NODE ?= 8
 
-.PHONY: help venv cluster-build cluster-up cluster-down crds lint typecheck test test-fast demo \
+.PHONY: help venv cluster-build cluster-up cluster-down crds lint typecheck test test-fast test-realpods demo \
         bench-operator bench-weights bench-gpu clean
 
 help:
 	@echo "make demo           run the main job locally (control plane + operator + trainer, no GPU)"
 	@echo "make test           build/reuse everything and run every test (what CI runs)"
+	@echo "make test-realpods  only the tests that run real containers on the real node (-m realpods)"
 	@echo "make lint           ruff + mypy + helm lint"
 	@echo "make cluster-up     start the local control plane (.devcluster/kubeconfig)"
 	@echo "make cluster-down   stop it and remove its state"
@@ -28,6 +29,7 @@ venv: $(PY)
 
 cluster-build:
 	bash devcluster/tools/build.sh
+	nice -n 10 bash devcluster/tools/build.sh node
 
 cluster-up: venv cluster-build
 	$(DEVCLUSTER) up --nodes $(NODES) --gpus-per-node $(GPUS_PER_NODE)
@@ -46,6 +48,9 @@ lint: venv
 
 test: venv cluster-build lint
 	$(PYTEST) -p no:cacheprovider tests
+
+test-realpods: venv cluster-build
+	$(PYTEST) -p no:cacheprovider -m realpods tests
 
 demo: venv cluster-build
 	$(PY) -m rlkube.devcluster.demo

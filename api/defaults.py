@@ -7,6 +7,8 @@ It lives in the shared contract because the chart, the docs and the renderer all
 
 from __future__ import annotations
 
+from typing import Any
+
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
@@ -49,4 +51,14 @@ class RenderDefaults(BaseModel):
         description="Env on every Ray container, over the platform values, under spec.env.",
     )
     head_node_selector: dict[str, str] = Field(default_factory=dict, description="Node selector of the head.")
+    head_tolerations: list[dict[str, Any]] = Field(
+        default_factory=list, description="Tolerations of the head (and of KubeRay's submitter pod)."
+    )
+    cpu_request_percent: int = Field(
+        default=100,
+        ge=1,
+        le=100,
+        description="CPU requests as a percent of the CPU limits (overcommit, as OpenShift's "
+        "ClusterResourceOverride does); Ray's num-cpus stays the limit.",
+    )
     ray_version: str | None = Field(default=None, description="rayClusterSpec.rayVersion, when set.")

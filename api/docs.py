@@ -49,6 +49,36 @@ the rollout must fit on them. `gpu.vendor: cpu` (the demo and tests) renders no 
 `num-gpus: "0"` on every node, no GPU tolerations, and requires `gpusPerReplica: 0`; one trainer
 process runs per replica.
 
+## Async staleness (`async.stalenessThreshold`, verl's meaning)
+
+In both async modes every sample carries the weights version that started it. Per version the
+rollout starts at most `ceil((1 + stalenessThreshold) x trainBatchSize)` prompt groups, counting
+the groups carried over from earlier versions (in flight or buffered): that is the async buffer.
+At a weight sync at most `stalenessThreshold x trainBatchSize` groups carry over, so at most that
+fraction of each batch comes from an older policy (`staleness/stale_fraction`), and the trainer
+takes the oldest-started groups first. No group is trained more than `ceil(stalenessThreshold)`
+versions after it started (0: on-policy streaming; 0.5 and 1: the previous policy). A straggler
+that would break that bound is dropped (`stalePolicy: drop`) or waited for and trained in time
+(`stalePolicy: wait`). Dropped groups are counted in `staleness/dropped_groups_total` and in
+`status.progress.metrics.staleness_dropped_groups_total`; `data_prompts_drawn` there shows every
+prompt the run took from the data.
+
+## What the runtime leaves out, and where it says so
+
+- Prompts longer than `data.maxPromptLength` tokens are skipped, never cut, and counted
+  (`data/prompts_too_long_total`, `status.progress.metrics.data_prompts_too_long_total`); validation
+  prompts that are too long are left out of evaluation with a warning.
+- DAPO dynamic sampling (`algorithm.dynamicSampling`) works in all three modes: a group whose rewards
+  are all equal is dropped and generation continues (`dynamic_sampling/{gen_batches,dropped_groups,
+  dropped_groups_total}`); a step that drops `maxGenBatches x trainBatchSize` groups fails the job.
+- A NaN or inf reward stops the job naming the reward function and the sample
+  (`data.nonFiniteReward: error`), or with `skip` the sample is left out and counted
+  (`reward/nonfinite_total`).
+- vLLM is sized from the spec on GPUs and CPUs alike: `rollout.gpuMemoryUtilization` (on vLLM's CPU
+  backend the share of the node's RAM it reserves) or `rollout.kvCacheMemory` (the KV cache size).
+  A CPU plan that does not fit this machine's free RAM (or the pod's memory limit) is refused
+  before vLLM starts, naming the field; `rlkube doctor --rljob FILE` runs the same check.
+
 ## kubectl get rljobs
 
 Columns: NAME, PHASE, ALGORITHM, MODE, GPUS, STEP, REWARD, AGE; with `-o wide` also REASON and

@@ -33,6 +33,7 @@ KlType = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "full"]
 LrSchedule = Literal["constant", "cosine", "linear"]
 WeightSyncMethod = Literal["full", "delta_sharded"]
 StalePolicy = Literal["drop", "wait"]
+NonFiniteReward = Literal["error", "skip"]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 
 # A size in bytes as a Kubernetes quantity: whole bytes, or a decimal with a k..E / Ki..Ei suffix. No
@@ -117,7 +118,10 @@ class DataSpec(_Model):
         "importable in the image.",
     )
     max_prompt_length: int = Field(
-        default=512, ge=1, description="Prompt tokens kept (longer prompts are dropped)."
+        default=512,
+        ge=1,
+        description="Longest prompt in tokens; longer prompts are skipped, never cut, and counted "
+        "(data/prompts_too_long_total).",
     )
     max_response_length: int = Field(default=1024, ge=1, description="Maximum generated tokens per response.")
     prompt_key: str = Field(default="prompt", max_length=MAX_NAME, description="Column holding the prompt.")
@@ -131,6 +135,11 @@ class DataSpec(_Model):
     )
     shuffle: bool = Field(default=True, description="Shuffle the training prompts every epoch.")
     seed: int = Field(default=1, description="Seed of the data shuffle.")
+    non_finite_reward: NonFiniteReward = Field(
+        default="error",
+        description="A NaN or inf reward: error stops the job naming the reward function and the "
+        "sample; skip leaves the sample out of training and counts it (reward/nonfinite_total).",
+    )
 
 
 class OverlongBuffer(_Model):
@@ -347,7 +356,18 @@ class RolloutSpec(_Model):
     )
     tensor_parallel_size: int = Field(default=1, ge=1, le=64, description="GPUs per engine instance.")
     gpu_memory_utilization: float = Field(
-        default=0.6, gt=0.0, le=1.0, description="Fraction of GPU memory the engine may take (KV cache)."
+        default=0.6,
+        gt=0.0,
+        le=1.0,
+        description="Fraction of the device's memory the engine may take (weights, activations, KV "
+        "cache). With gpu.vendor cpu (vLLM's CPU backend) it is the fraction of the node's RAM.",
+    )
+    kv_cache_memory: str | None = Field(
+        default=None,
+        pattern=BYTES_PATTERN,
+        max_length=64,
+        description="KV cache size per engine (e.g. 2Gi); when set it replaces gpuMemoryUtilization's "
+        "sizing (vLLM kv_cache_memory_bytes), on GPUs and CPUs alike.",
     )
     max_num_seqs: int = Field(default=256, ge=1, description="Concurrent sequences per engine.")
     cpus_per_replica: int = Field(
@@ -371,8 +391,10 @@ class AsyncSpec(_Model):
         default=0.5,
         ge=0.0,
         le=16.0,
-        description="How stale a sample may be, in weight versions (0: on-policy streaming, "
-        "1: one-step-off).",
+        description="verl's meaning: at most this fraction of each batch may come from an older "
+        "policy; the rollout starts up to (1 + threshold) x trainBatchSize groups per weights "
+        "version, and no group is trained more than ceil(threshold) versions after it started "
+        "(0: on-policy streaming).",
     )
     parameter_sync_step: int = Field(
         default=1,
@@ -385,7 +407,10 @@ class AsyncSpec(_Model):
         default=True, description="Pause in-flight generation across a weight sync and resume it (no drop)."
     )
     stale_policy: StalePolicy = Field(
-        default="drop", description="Samples older than the threshold: drop them, or wait for fresh ones."
+        default="drop",
+        description="A straggler group that would be trained more than ceil(stalenessThreshold) "
+        "versions after it started: drop it (counted in staleness/dropped_groups_total), or wait "
+        "for it to finish and train it in time.",
     )
 
 

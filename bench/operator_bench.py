@@ -240,7 +240,13 @@ def main() -> int:
     t_up = time.monotonic()
     cluster = DevCluster(
         args.state_dir,
-        ClusterConfig(gpu_nodes=args.nodes, gpus_per_node=args.gpus_per_node, cpu_nodes=4, timeout_s=600),
+        ClusterConfig(
+            gpu_nodes=args.nodes,
+            gpus_per_node=args.gpus_per_node,
+            cpu_nodes=4,
+            timeout_s=600,
+            real_node="off",
+        ),
     )
     cluster.up(owner="bench")
     print(

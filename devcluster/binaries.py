@@ -27,6 +27,9 @@ _COMPONENTS: dict[str, tuple[str, str, tuple[str, ...]]] = {
     "kwok": ("kwok", "sigs.k8s.io/kwok", ("kwok",)),
     "kuberay": ("kuberay", "github.com/ray-project/kuberay/ray-operator", ("ray-operator",)),
     "helm": ("helm", "helm.sh/helm/v4", ("helm",)),
+    # The real node's programs (devcluster/node.py); kubelet/kube-proxy share kubernetes' version.
+    "kubernetes-node": ("kubernetes", "k8s.io/kubernetes", ("kubelet", "kube-proxy")),
+    "coredns": ("coredns", "github.com/coredns/coredns", ("coredns",)),
 }
 
 

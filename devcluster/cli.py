@@ -32,6 +32,13 @@ def _parser() -> argparse.ArgumentParser:
         )
     up.add_argument("--no-kuberay", action="store_true", help="skip the KubeRay CRDs and operator")
     up.add_argument("--timeout", type=float, default=180.0, help="seconds to wait for all-Ready")
+    up.add_argument(
+        "--real-node",
+        choices=("auto", "on", "off"),
+        default=None,
+        help="one real CPU node beside the fake ones: auto (when the machine allows it), on (required), "
+        "off. Default: $RLKUBE_REAL_NODE (0/1/auto), else auto",
+    )
     sub.add_parser("down", help="stop exactly the processes `up` started and remove the state")
     sub.add_parser("status", help="print the state as JSON; exit 1 if not running")
     sub.add_parser("env", help="print `export KUBECONFIG=...` for eval")
@@ -51,6 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             cpu_nodes=args.cpu_nodes,
             gpu_taint=args.gpu_taint,
             kuberay=not args.no_kuberay,
+            real_node=args.real_node,
             timeout_s=args.timeout,
         )
     else:

@@ -9,7 +9,6 @@ ports, logs to `<state>/logs/<component>.log`, and is recorded in `<state>/state
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import errno
 import fcntl
@@ -22,6 +21,7 @@ import signal
 import socket
 import ssl
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -34,14 +34,26 @@ import yaml
 
 from .binaries import REPO_ROOT, Binaries, find_binaries
 from .errors import DevClusterError
-from .kubeapi import ApiError, KubeApi
+from .kubeapi import ApiError, KubeApi, bearer_kubeconfig
+from .node import DNS_SERVICE_IP, NODE_IP, NODE_NAME, RealNode, mode_from_env, node_binaries, why_not
 from .nodes import KWOK_ANNOTATION, MANAGED_LABEL, node_manifests
 
 _YamlLoader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 STATE_VERSION = 1
 LOG_TAIL_LINES = 40
 # Start order; `down` stops in reverse so clients go before the API server and etcd.
-COMPONENTS = ("etcd", "kube-apiserver", "kube-controller-manager", "kube-scheduler", "kwok", "ray-operator")
+COMPONENTS = (
+    "etcd",
+    "kube-apiserver",
+    "kube-controller-manager",
+    "kube-scheduler",
+    "kwok",
+    "containerd",
+    "kubelet",
+    "kube-proxy",
+    "coredns",
+    "ray-operator",
+)
 # Controllers that need a cloud provider, a cluster CIDR or a signing CA this cluster does not have.
 DISABLED_CONTROLLERS = (
     "cloud-node-lifecycle-controller",
@@ -67,9 +79,25 @@ class ClusterConfig:
     cpu_nodes: int = 1
     gpu_taint: bool = False
     kuberay: bool = True
+    # "auto": a real CPU node when this machine allows it and no other runs here; "on": required;
+    # "off": kwok only. None: $RLKUBE_REAL_NODE (0/1/auto), default auto.
+    real_node: str | None = None
     timeout_s: float = 120.0
     # Extra command-line flags per component (e.g. to inject a fault in a test).
     extra_args: dict[str, list[str]] = field(default_factory=dict)
+
+
+SHAPE_KEYS = ("gpu_nodes", "gpus_per_node", "cpu_nodes", "gpu_taint", "kuberay")
+
+
+def shape_of(config: dict[str, Any] | ClusterConfig) -> dict[str, Any]:
+    """The node layout a caller relies on (what a reused cluster must match)."""
+    d = asdict(config) if isinstance(config, ClusterConfig) else config
+    return {k: d.get(k) for k in SHAPE_KEYS}
+
+
+class ShapeMismatch(DevClusterError):
+    """A healthy cluster runs in the state dir, but with other nodes than the caller needs."""
 
 
 @dataclass
@@ -165,12 +193,17 @@ class DevCluster:
     def __init__(self, state_dir: Path | str | None = None, config: ClusterConfig | None = None) -> None:
         self.state_dir = Path(state_dir).resolve() if state_dir else default_state_dir()
         self.config = config or ClusterConfig()
+        # Only a caller that named a shape has one to check a running cluster against.
+        self._shape_given = config is not None
         self.logs_dir = self.state_dir / "logs"
         self.state_file = self.state_dir / "state.json"
         self.kubeconfig = self.state_dir / "kubeconfig"
         self._procs: dict[int, subprocess.Popen[bytes]] = {}
         self._components: list[Component] = []
         self.timings: dict[str, float] = {}
+        self.real_node_reason = ""
+        self._node: RealNode | None = None
+        self._node_sysctls: dict[str, str] | None = None
 
     # ---------------------------------------------------------------- state
 
@@ -250,6 +283,7 @@ class DevCluster:
             if self.healthy():
                 state = self.read_state()
                 assert state is not None
+                self._check_shape(state)
                 if owner == "cli" and state.get("owner") != "cli":
                     state["owner"] = "cli"
                     self._write_state(state)
@@ -261,6 +295,42 @@ class DevCluster:
                 self._stop_started()
                 raise
 
+    def _check_shape(self, state: dict[str, Any]) -> None:
+        """Refuse to reuse a running cluster whose nodes differ from what this caller asked for."""
+        if not self._shape_given:
+            return
+        have, want = shape_of(state.get("config") or {}), shape_of(self.config)
+        if have != want:
+            diff = ", ".join(f"{k} {have[k]} (wanted {want[k]})" for k in SHAPE_KEYS if have[k] != want[k])
+            raise ShapeMismatch(f"the cluster running in {self.state_dir} has {diff}")
+        if self._real_mode() == "on" and not (state.get("real_node") or {}).get("enabled"):
+            raise ShapeMismatch(f"the cluster running in {self.state_dir} has no real node (required)")
+
+    def _real_mode(self) -> str:
+        mode = self.config.real_node or mode_from_env()
+        if mode not in ("auto", "on", "off"):
+            raise DevClusterError(f"real_node={mode!r}: use auto, on or off")
+        return mode
+
+    def _decide_real_node(self) -> RealNode | None:
+        """A RealNode when this cluster gets one; else None, with one line saying why on stderr."""
+        mode = self._real_mode()
+        if mode == "off":
+            why = "real_node=off" if self.config.real_node else "RLKUBE_REAL_NODE=0"
+            self.real_node_reason = f"off ({why})"
+            print(f"[devcluster] kwok-only: real node off ({why})", file=sys.stderr, flush=True)
+            return None
+        reason = why_not(self.state_dir)
+        if reason is None:
+            bins, _ = node_binaries()
+            assert bins is not None
+            return RealNode(self.state_dir, bins)
+        if mode == "on":
+            raise DevClusterError(f"a real node is required (RLKUBE_REAL_NODE=1) but {reason}")
+        self.real_node_reason = reason
+        print(f"[devcluster] kwok-only (no real node): {reason}", file=sys.stderr, flush=True)
+        return None
+
     def _start(self, owner: str) -> dict[str, Any]:
         t0 = time.monotonic()
         deadline = t0 + self.config.timeout_s
@@ -268,6 +338,11 @@ class DevCluster:
         self._wipe(keep_logs=False)
         for sub in ("logs", "certs", "etcd"):
             (self.state_dir / sub).mkdir(parents=True, exist_ok=True)
+        node = self._decide_real_node()
+        lock_fd: int | None = None
+        if node is not None:
+            lock_fd = node.claim()
+            self._node = node
 
         names = [
             "etcd",
@@ -278,10 +353,18 @@ class DevCluster:
             "kwok",
             "kuberay-metrics",
             "kuberay-probe",
+            "kubelet-healthz",
+            "kube-proxy-healthz",
+            "kube-proxy-metrics",
+            "coredns-health",
+            "coredns-ready",
         ]
         ports = dict(zip(names, _free_ports(len(names)), strict=True))
         token = secrets.token_hex(24)
-        server = f"https://127.0.0.1:{ports['apiserver']}"
+        # With a real node the API server listens on the node address, which pods reach (through
+        # the `kubernetes` Service) and which exists only on this machine; else on loopback.
+        host = NODE_IP if node is not None else "127.0.0.1"
+        server = f"https://{host}:{ports['apiserver']}"
         state: dict[str, Any] = {
             "version": STATE_VERSION,
             "owner": owner,
@@ -293,9 +376,17 @@ class DevCluster:
             "config": asdict(self.config),
             "binaries": {k: str(v) for k, v in asdict(bins).items()},
             "components": [],
+            "real_node": {"enabled": False, "reason": self.real_node_reason},
         }
         self._write_state(state)
-        self._make_credentials(token)
+        node_tokens: dict[str, str] = {}
+        if node is not None:
+            state["real_node"] = {"enabled": True, "name": NODE_NAME, "sysctls": {}}
+            self._write_state(state)
+            state["real_node"]["sysctls"] = self._node_sysctls = node.prepare_host()
+            self._write_state(state)
+            node_tokens = {"kubelet": secrets.token_hex(24), "kube-proxy": secrets.token_hex(24)}
+        self._make_credentials(token, node_tokens)
 
         certs = self.state_dir / "certs"
         self._spawn(
@@ -322,8 +413,8 @@ class DevCluster:
             bins.kube_apiserver,
             [
                 f"--etcd-servers=http://127.0.0.1:{ports['etcd']}",
-                "--bind-address=127.0.0.1",
-                "--advertise-address=127.0.0.1",
+                f"--bind-address={host}",
+                f"--advertise-address={host}",
                 f"--secure-port={ports['apiserver']}",
                 f"--cert-dir={certs}",
                 "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
@@ -333,9 +424,19 @@ class DevCluster:
                 f"--token-auth-file={certs / 'tokens.csv'}",
                 "--service-cluster-ip-range=10.96.0.0/16",
                 "--allow-privileged=true",
-                # The in-cluster `kubernetes` Service would point at a loopback address no pod could use.
-                "--endpoint-reconciler-type=none",
+                # kwok-only: the `kubernetes` Service would point at loopback, which no pod can use.
+                # With a real node it points at the node address (pods' in-cluster clients use it).
+                f"--endpoint-reconciler-type={'lease' if node is not None else 'none'}",
                 "--profiling=false",
+                *(
+                    [
+                        f"--kubelet-client-certificate={certs / 'kubelet-client.crt'}",
+                        f"--kubelet-client-key={certs / 'kubelet-client.key'}",
+                        "--kubelet-preferred-address-types=InternalIP",
+                    ]
+                    if node is not None
+                    else []
+                ),
             ],
             [ports["apiserver"]],
             state,
@@ -406,13 +507,30 @@ class DevCluster:
         )
         posts = [("/apis/apiextensions.k8s.io/v1/customresourcedefinitions", d) for d in crd_docs]
         posts += [("/api/v1/nodes", n) for n in manifests]
-        with ThreadPoolExecutor(max_workers=min(16, len(posts))) as pool:
-            list(pool.map(lambda p: api.create(*p), posts))
+        if posts:  # a control plane alone (--nodes 0 --cpu-nodes 0 --no-kuberay) posts nothing
+            with ThreadPoolExecutor(max_workers=min(16, len(posts))) as pool:
+                list(pool.map(lambda p: api.create(*p), posts))
         self.timings["objects_created_s"] = time.monotonic() - t0
+
+        if node is not None:
+            assert lock_fd is not None
+            self._start_node(node, api, certs, server, ports, token, node_tokens, state, deadline, lock_fd)
+            self.timings["real_node_ready_s"] = time.monotonic() - t0
 
         if self.config.kuberay:
             self._wait(deadline, "KubeRay CRDs Established", lambda: self._crds_established(api, crds))
             env = {"KUBECONFIG": kc}
+            # With a real node the KubeRay operator must resolve cluster names (it dials the Ray
+            # head's service): it runs in its own mount namespace whose resolv.conf names the
+            # cluster DNS, leaving the host's resolver alone.
+            wrapper = None
+            if node is not None:
+                resolv = self.state_dir / "node" / "operator-resolv.conf"
+                resolv.write_text(f"nameserver {NODE_IP}\nsearch svc.cluster.local cluster.local\n")
+                wrapper = [
+                    "unshare", "--mount", "--propagation", "private", "--", "/bin/sh", "-c",
+                    f'mount --bind {resolv} /etc/resolv.conf && exec "$0" "$@"',
+                ]  # fmt: skip
             self._spawn(
                 "ray-operator",
                 bins.ray_operator,
@@ -425,9 +543,12 @@ class DevCluster:
                 [ports["kuberay-metrics"], ports["kuberay-probe"]],
                 state,
                 env=env,
+                wrapper=wrapper,
             )
+        if node is not None:
+            node.release()  # the node processes hold the machine-wide lock from here on
 
-        expected = len(manifests)
+        expected = len(manifests) + (1 if node is not None else 0)
         self._wait(deadline, f"{expected} nodes Ready", lambda: self._ready_nodes(api) >= expected)
         self.timings["nodes_ready_s"] = time.monotonic() - t0
         self._wait(
@@ -449,14 +570,116 @@ class DevCluster:
         self._write_state(state)
         return state
 
-    def _make_credentials(self, token: str) -> None:
-        """One RSA key signs and verifies service-account tokens; a static token is the admin."""
+    def _start_node(
+        self,
+        node: RealNode,
+        api: KubeApi,
+        certs: Path,
+        server: str,
+        ports: dict[str, int],
+        token: str,
+        node_tokens: dict[str, str],
+        state: dict[str, Any],
+        deadline: float,
+        lock_fd: int,
+    ) -> None:
+        """containerd, the sandbox image, kubelet, kube-proxy, CoreDNS and the kube-dns Service."""
+        from .images import import_layout, pause_layout
+
+        node.write_configs(certs, server, ports, {**node_tokens, "coredns": token})
+        fds = (lock_fd,)
+        self._spawn("containerd", Path(shutil.which("containerd") or "containerd"), node.containerd_args(),
+                    [], state, env=node.containerd_env(), pass_fds=fds)  # fmt: skip
+        self._wait(deadline, "containerd's socket", lambda: node.ctr("version").returncode == 0)
+        import_layout(pause_layout(node.bins.pause), ["ctr", "--address", str(node.sock), "-n", "k8s.io"])
+        api.create(
+            "/api/v1/namespaces/kube-system/services",
+            {
+                "apiVersion": "v1",
+                "kind": "Service",
+                "metadata": {
+                    "name": "kube-dns",
+                    "namespace": "kube-system",
+                    "labels": {"k8s-app": "kube-dns"},
+                },
+                "spec": {
+                    "clusterIP": DNS_SERVICE_IP,
+                    "ports": [
+                        {"name": "dns", "port": 53, "protocol": "UDP", "targetPort": 53},
+                        {"name": "dns-tcp", "port": 53, "protocol": "TCP", "targetPort": 53},
+                    ],
+                },
+            },
+        )
+        api.create(
+            "/apis/discovery.k8s.io/v1/namespaces/kube-system/endpointslices",
+            {
+                "apiVersion": "discovery.k8s.io/v1",
+                "kind": "EndpointSlice",
+                "metadata": {
+                    "name": "kube-dns-node",
+                    "namespace": "kube-system",
+                    "labels": {
+                        "kubernetes.io/service-name": "kube-dns",
+                        "endpointslice.kubernetes.io/managed-by": "rlkube-devcluster",
+                    },
+                },
+                "addressType": "IPv4",
+                "endpoints": [{"addresses": [NODE_IP], "conditions": {"ready": True}}],
+                "ports": [
+                    {"name": "dns", "port": 53, "protocol": "UDP"},
+                    {"name": "dns-tcp", "port": 53, "protocol": "TCP"},
+                ],
+            },
+        )
+        self._spawn("kubelet", node.bins.kubelet, node.kubelet_args(), [ports["kubelet-healthz"]], state,
+                    pass_fds=fds)  # fmt: skip
+        self._spawn("kube-proxy", node.bins.kube_proxy, node.kube_proxy_args(),
+                    [ports["kube-proxy-healthz"], ports["kube-proxy-metrics"]], state,
+                    pass_fds=fds)  # fmt: skip
+        self._spawn("coredns", node.bins.coredns, node.coredns_args(),
+                    [ports["coredns-health"], ports["coredns-ready"]], state, pass_fds=fds)  # fmt: skip
+        self._wait(deadline, f"real node {NODE_NAME} Ready", lambda: self._node_ready(api, NODE_NAME))
+        for what, url in {
+            "kube-proxy /healthz": f"http://127.0.0.1:{ports['kube-proxy-healthz']}/healthz",
+            "coredns /ready": f"http://127.0.0.1:{ports['coredns-ready']}/ready",
+        }.items():
+            self._wait(deadline, what, functools.partial(_http_ok, url))
+
+    @staticmethod
+    def _node_ready(api: KubeApi, name: str) -> bool:
+        node = api.get(f"/api/v1/nodes/{name}")
+        conds = {c["type"]: c["status"] for c in (node.get("status") or {}).get("conditions") or []}
+        return conds.get("Ready") == "True"
+
+    def _make_credentials(self, token: str, node_tokens: dict[str, str] | None = None) -> None:
+        """One RSA key signs and verifies service-account tokens; a static token is the admin.
+
+        With a real node: static tokens for the kubelet (`system:node:<name>`, so the Node
+        authorizer and NodeRestriction apply) and kube-proxy (`system:kube-proxy`, bound to
+        system:node-proxier by default), and a small CA whose client certificate the API server
+        presents to the kubelet (the kubelet accepts no anonymous requests).
+        """
         certs = self.state_dir / "certs"
         key, pub = certs / "sa.key", certs / "sa.pub"
-        for argv in (
+        argvs = [
             ["openssl", "genpkey", "-algorithm", "RSA", "-pkeyopt", "rsa_keygen_bits:2048", "-out", str(key)],
             ["openssl", "pkey", "-in", str(key), "-pubout", "-out", str(pub)],
-        ):
+        ]
+        if node_tokens:
+            c = str(certs)
+            argvs += [
+                ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "30",
+                 "-subj", "/CN=rlkube-devcluster-node-ca",
+                 "-keyout", f"{c}/node-ca.key", "-out", f"{c}/node-ca.crt"],
+                ["openssl", "req", "-newkey", "rsa:2048", "-nodes",
+                 "-subj", "/O=system:masters/CN=kube-apiserver-kubelet-client",
+                 "-keyout", f"{c}/kubelet-client.key", "-out", f"{c}/kubelet-client.csr"],
+                ["openssl", "x509", "-req", "-in", f"{c}/kubelet-client.csr", "-CA", f"{c}/node-ca.crt",
+                 "-CAkey", f"{c}/node-ca.key", "-CAcreateserial", "-days", "30",
+                 "-out", f"{c}/kubelet-client.crt"],
+            ]  # fmt: skip
+        for argv in argvs:
             try:
                 subprocess.run(argv, check=True, capture_output=True, timeout=30)
             except FileNotFoundError as err:
@@ -464,27 +687,16 @@ class DevCluster:
             except subprocess.CalledProcessError as err:
                 raise DevClusterError(f"{' '.join(argv)} failed: {err.stderr.decode()}") from err
         tokens = certs / "tokens.csv"
-        tokens.write_text(f'{token},admin,admin,"system:masters"\n')
+        lines = [f'{token},admin,admin,"system:masters"']
+        if node_tokens:
+            lines.append(f'{node_tokens["kubelet"]},system:node:{NODE_NAME},kubelet,"system:nodes"')
+            lines.append(f"{node_tokens['kube-proxy']},system:kube-proxy,kube-proxy,")
+        tokens.write_text("\n".join(lines) + "\n")
         for path in (key, tokens):
             path.chmod(0o600)
 
     def _write_kubeconfig(self, server: str, token: str, ca_pem: str) -> None:
-        config = {
-            "apiVersion": "v1",
-            "kind": "Config",
-            "clusters": [
-                {
-                    "name": "rlkube-dev",
-                    "cluster": {
-                        "server": server,
-                        "certificate-authority-data": base64.b64encode(ca_pem.encode()).decode(),
-                    },
-                }
-            ],
-            "users": [{"name": "admin", "user": {"token": token}}],
-            "contexts": [{"name": "rlkube-dev", "context": {"cluster": "rlkube-dev", "user": "admin"}}],
-            "current-context": "rlkube-dev",
-        }
+        config = bearer_kubeconfig(server, token, ca_pem, "admin")
         tmp = self.kubeconfig.with_suffix(".tmp")
         tmp.write_text(yaml.safe_dump(config, sort_keys=False))
         tmp.chmod(0o600)
@@ -544,10 +756,16 @@ class DevCluster:
         ports: list[int],
         state: dict[str, Any],
         env: dict[str, str] | None = None,
+        wrapper: list[str] | None = None,
+        pass_fds: tuple[int, ...] = (),
     ) -> None:
-        """Start one component in its own process group and record it before anything else runs."""
+        """Start one component in its own process group and record it before anything else runs.
+
+        `wrapper` runs first and must exec the binary (so the recorded pid is the component's);
+        `pass_fds` are inherited (the real node's machine-wide lock).
+        """
         log = self.logs_dir / f"{name}.log"
-        argv = [str(binary), *args, *self.config.extra_args.get(name, [])]
+        argv = [*(wrapper or []), str(binary), *args, *self.config.extra_args.get(name, [])]
         child_env = {k: v for k, v in os.environ.items() if k != "KUBECONFIG"}
         child_env.update(env or {})
         with log.open("ab") as out:
@@ -561,6 +779,7 @@ class DevCluster:
                 env=child_env,
                 start_new_session=True,
                 cwd=self.state_dir,
+                pass_fds=pass_fds,
             )
         self._procs[proc.pid] = proc
         comp = Component(name=name, pid=proc.pid, binary=str(binary), log=str(log), ports=ports)
@@ -612,7 +831,15 @@ class DevCluster:
     def _stop_recorded(self) -> list[str]:
         state = self.read_state()
         comps = [Component(**c) for c in state["components"]] if state else []
+        node_state = (state or {}).get("real_node") or {}
+        if node_state.get("enabled"):
+            # The kubelet first (it would restart containers), then every container while
+            # containerd still runs, then the processes, then what the node left on the host.
+            self._terminate([c for c in comps if c.name == "kubelet"])
+            RealNode.stop_containers()
         stopped = self._terminate(comps)
+        if node_state.get("enabled"):
+            RealNode.teardown(node_state.get("sysctls") or {})
         ports = [p for c in comps for p in c.ports]
         deadline = time.monotonic() + 5
         while (still := listening_ports(ports)) and time.monotonic() < deadline:
@@ -625,7 +852,14 @@ class DevCluster:
     def _stop_started(self) -> None:
         """Best-effort cleanup after a failed start (keeps the logs for the error message)."""
         with contextlib.suppress(DevClusterError):
+            if self._node is not None:
+                self._terminate([c for c in self._components if c.name == "kubelet"], grace_s=2.0)
+                RealNode.stop_containers()
             self._terminate(list(self._components), grace_s=2.0)
+        if self._node is not None:
+            RealNode.teardown(self._node_sysctls or {})
+            self._node.release()
+            self._node = None
         self._wipe(keep_logs=True)
 
     def _terminate(self, comps: list[Component], grace_s: float = 8.0) -> list[str]:
@@ -676,6 +910,10 @@ class DevCluster:
         """
         with self.lock():
             started = not self.healthy()
+            if not started:
+                state = self.read_state()
+                assert state is not None
+                self._check_shape(state)
             if started:
                 self._stop_recorded()
                 try:

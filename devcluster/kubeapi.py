@@ -7,12 +7,33 @@ import. Tests use the official client through the fixtures instead.
 
 from __future__ import annotations
 
+import base64
 import http.client
 import json
 import ssl
 import threading
 from typing import Any
 from urllib.parse import urlencode, urlsplit
+
+
+def bearer_kubeconfig(server: str, token: str, ca_pem: str, user: str) -> dict[str, Any]:
+    """A kubeconfig (as a dict) for `user` with a bearer token, pinned to the cluster's CA."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "clusters": [
+            {
+                "name": "rlkube-dev",
+                "cluster": {
+                    "server": server,
+                    "certificate-authority-data": base64.b64encode(ca_pem.encode()).decode(),
+                },
+            }
+        ],
+        "users": [{"name": user, "user": {"token": token}}],
+        "contexts": [{"name": "rlkube-dev", "context": {"cluster": "rlkube-dev", "user": user}}],
+        "current-context": "rlkube-dev",
+    }
 
 
 class ApiError(Exception):

@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from typing import Any, TypeVar
 
 import yaml
 
-from .cluster import ClusterConfig, DevCluster
+from .cluster import ClusterConfig, DevCluster, ShapeMismatch
 from .errors import DevClusterError
 
 TEST_KUBECONFIG_ENV = "RLKUBE_TEST_KUBECONFIG"
@@ -60,8 +61,16 @@ def open_test_cluster(config: ClusterConfig | None = None, state_dir: Path | Non
         if probe.returncode != 0 or "serverVersion" not in probe.stdout:
             raise DevClusterError(f"cluster in {path} is unreachable: {probe.stderr.strip()}")
         return TestCluster(path, None, False, user)
+    config = config or ClusterConfig()  # the session's shape: a running cluster must match it
     cluster = DevCluster(state_dir, config)
-    started = cluster.attach(user)
+    try:
+        started = cluster.attach(user)
+    except ShapeMismatch as err:
+        # e.g. a cluster left running by `make demo` with other nodes: tests get their own, beside it.
+        own = cluster.state_dir.with_name(cluster.state_dir.name + "-pytest")
+        print(f"[devcluster] {err}; the tests use their own cluster in {own}", file=sys.stderr, flush=True)
+        cluster = DevCluster(own, config)
+        started = cluster.attach(user)
     return TestCluster(cluster.kubeconfig, cluster, started, user)
 
 

@@ -41,8 +41,15 @@ def slim_pod(pod: Mapping[str, Any]) -> dict[str, Any]:
         {k: c[k] for k in ("type", "status", "reason", "message") if k in c}
         for c in st.get("conditions") or ()
     ]
+    # Each container's memory limit only (an OOMKilled message names it).
+    limits = [
+        {"name": c.get("name"), "resources": {"limits": {"memory": mem}}}
+        for c in (pod.get("spec") or {}).get("containers") or ()
+        if (mem := ((c.get("resources") or {}).get("limits") or {}).get("memory"))
+    ]
     return {
         "metadata": _meta(pod),
+        "spec": {"containers": limits},
         "status": {
             "phase": st.get("phase"),
             "reason": st.get("reason"),

@@ -8,6 +8,7 @@ and crash-loop reasons from container statuses, deadline expiry from the RayJob'
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -22,6 +23,21 @@ _CONFIG_REASONS = ("CreateContainerConfigError", "CreateContainerError", "RunCon
 # KubeRay v1.5 jobDeploymentStatus values.
 _DEPLOYMENT_FAILED = ("Failed", "ValidationFailed")
 _DEPLOYMENT_SUSPENDED = ("Suspending", "Suspended")
+# The kubelet alternates these two while it backs off a failing pull: one problem, one reason.
+_PULL_RETRY_REASONS = ("ErrImagePull", "ImagePullBackOff")
+# The spec field that sizes each Ray group's pods (the pod label rlkube.io/group), for OOM messages.
+_MEMORY_FIELDS = {
+    "head": "spec.head.memory",
+    "actor": "spec.trainer.memory",
+    "trainer": "spec.trainer.memory",
+    "rollout": "spec.rollout.memory",
+}
+GROUP_LABEL = "rlkube.io/group"
+# Ray's job message when the entrypoint exits non-zero; the driver's last log lines follow it.
+_ENTRYPOINT_FAILED = re.compile(r"Job entrypoint command failed with exit code (-?\d+)")
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Exit|Interrupt)(: |$)")
+_RAY_OOM = ("OutOfMemoryError", "running low on memory")
+MAX_MESSAGE = 1000
 # Events worth carrying to the RLJob when pod status alone says nothing (e.g. quota, mounts).
 _EVENT_REASONS = ("FailedScheduling", "FailedMount", "FailedAttachVolume", "FailedCreate", "FailedCreatePod")
 # KubeRay's own Warning events when the API server refuses what it creates (pods, the submitter Job, the
@@ -134,21 +150,67 @@ def _container_statuses(pod: Mapping[str, Any]) -> Iterable[Mapping[str, Any]]:
     yield from st.get("containerStatuses") or ()
 
 
+def _memory_limit(pod: Mapping[str, Any], container: str) -> str:
+    for c in (pod.get("spec") or {}).get("containers") or ():
+        if c.get("name") == container:
+            return str(((c.get("resources") or {}).get("limits") or {}).get("memory") or "")
+    return ""
+
+
+def _oom_problem(pod: Mapping[str, Any]) -> Problem | None:
+    """A container the kernel killed at its memory limit (now or at its last exit), with the fix."""
+    for cs in _container_statuses(pod):
+        for term in (
+            (cs.get("state") or {}).get("terminated"),
+            (cs.get("lastState") or {}).get("terminated"),
+        ):
+            if not term or term.get("reason") != "OOMKilled":
+                continue
+            name = str(cs.get("name", "?"))
+            limit = _memory_limit(pod, name) or "none"
+            group = str(((pod.get("metadata") or {}).get("labels") or {}).get(GROUP_LABEL, ""))
+            field = _MEMORY_FIELDS.get(group, "the memory of this pod's group")
+            return Problem(
+                "OOMKilled",
+                f"pod {_pod_name(pod)} container {name} was OOMKilled at its memory limit {limit} "
+                f"(exit code {term.get('exitCode', 137)}, restarted {cs.get('restartCount', 0)} times): "
+                f"raise {field}",
+            )
+    return None
+
+
+def _pull_error(image: str, message: str) -> str:
+    """The pull's own error: the back-off message repeats it after `ErrImagePull: ` (kubelet 1.31+)."""
+    _, sep, tail = message.partition("ErrImagePull: ")
+    err = tail if sep else message
+    return (
+        f"cannot pull image {image}: {err}" if err and image not in err else (err or f"cannot pull {image}")
+    )
+
+
 def _waiting_problem(pod: Mapping[str, Any]) -> Problem | None:
+    if (oom := _oom_problem(pod)) is not None:
+        return oom
     for cs in _container_statuses(pod):
         waiting = (cs.get("state") or {}).get("waiting") or {}
         reason = waiting.get("reason") or ""
         msg = waiting.get("message") or ""
         where = f"pod {_pod_name(pod)} container {cs.get('name', '?')}"
+        if reason in _PULL_RETRY_REASONS:
+            # One reason while the kubelet retries (no flapping, one Event), the pull's own error.
+            return Problem("ImagePullBackOff", f"{where}: {_pull_error(str(cs.get('image', '')), msg)}")
         if reason in _IMAGE_PULL_REASONS:
             return Problem(reason, f"{where}: {msg or 'cannot pull image ' + str(cs.get('image', ''))}")
-        if reason == "CrashLoopBackOff":
-            term = (cs.get("lastState") or {}).get("terminated") or {}
+        term = (cs.get("lastState") or {}).get("terminated") or {}
+        restarts = int(cs.get("restartCount", 0) or 0)
+        if reason == "CrashLoopBackOff" or (restarts and term and not cs.get("ready")):
+            # Between two back-offs the container runs (not ready) for a moment: the same crash loop,
+            # so the same reason and a message without the kubelet's changing back-off text (no
+            # flapping, one Event per loop, not one per restart).
             last = ""
             if term:
                 last = f" (last exit code {term.get('exitCode')}, reason {term.get('reason', 'Error')})"
-            restarts = cs.get("restartCount", 0)
-            return Problem(reason, f"{where} restarted {restarts} times{last}: {msg}".rstrip(": "))
+            return Problem("CrashLoopBackOff", f"{where} restarted {restarts} times{last}")
         if reason in _CONFIG_REASONS:
             return Problem(reason, f"{where}: {msg}")
     return None
@@ -397,7 +459,9 @@ def derive(
         if deploy == "ValidationFailed" and not rj_reason:
             reason = "ValidationFailed"
         msg = rj_message or f"RayJob {obs.ray_job_name}: jobDeploymentStatus {deploy}, jobStatus {job_status}"
-        fail = cond("Failed", "True", reason, msg)
+        if (why := failure_cause(rj_message, problem)) is not None:
+            reason, msg = why
+        fail = cond("Failed", "True", reason, _clip(msg))
     else:
         fail = cond("Failed", "False", "NotFailed", "")
 
@@ -428,6 +492,41 @@ def derive(
         ray_job_name=obs.ray_job_name if rj is not None else "",
         ray_cluster_name=cluster_name,
     )
+
+
+def _clip(message: str) -> str:
+    """Status messages stay short: the full log is the pod's (`kubectl logs`)."""
+    return message if len(message) <= MAX_MESSAGE else message[: MAX_MESSAGE - 3] + "..."
+
+
+def entrypoint_error(message: str) -> tuple[str, str] | None:
+    """(exit code, the driver's own last error line) from Ray's "entrypoint failed" job message."""
+    m = _ENTRYPOINT_FAILED.search(message)
+    if m is None:
+        return None
+    lines = [ln.strip() for ln in message[m.end() :].splitlines() if ln.strip()]
+    own = next((ln for ln in reversed(lines) if _EXCEPTION_LINE.match(ln)), lines[-1] if lines else "")
+    return m.group(1), own
+
+
+def failure_cause(ray_message: str, problem: Problem | None) -> tuple[str, str] | None:
+    """(reason, message) of a failed job when more specific than KubeRay's: memory, or the error the
+    entrypoint (rlkube-train) itself printed; None keeps KubeRay's reason and message."""
+    if problem is not None and problem.reason == "OOMKilled":
+        return "OOMKilled", problem.message
+    if any(marker in ray_message for marker in _RAY_OOM):
+        line = next((ln.strip() for ln in ray_message.splitlines() if any(m in ln for m in _RAY_OOM)), "")
+        return "OOMKilled", f"Ray killed a worker for memory: {line}"
+    found = entrypoint_error(ray_message)
+    if found is None:
+        return None
+    code, own = found
+    if code in ("-9", "137") and not _EXCEPTION_LINE.match(own):
+        return "EntrypointFailed", (
+            f"rlkube-train was killed (exit code {code}), most often at the head's memory limit: "
+            "raise spec.head.memory"
+        )
+    return "EntrypointFailed", f"rlkube-train exited with code {code}: {own}"
 
 
 _BAD = {
@@ -474,6 +573,7 @@ def transitions(previous: Mapping[str, Any] | None, new: DerivedStatus) -> list[
 _PROBLEM_REASONS = frozenset(
     (
         *_IMAGE_PULL_REASONS,
+        "OOMKilled",
         *_CONFIG_REASONS,
         "CrashLoopBackOff",
         "Unschedulable",

@@ -18,6 +18,7 @@ import subprocess
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from rlkube.runtime.platform import PlatformError, VisibilityError, detect_platform, get_platform, probes
@@ -87,8 +88,9 @@ def collect(
     ray_address: str | None = None,
     ray_local: bool = False,
     import_engines: bool = False,
+    rljob: Any = None,
 ) -> dict[str, Any]:
-    """Everything doctor looks at, as plain JSON-able data."""
+    """Everything doctor looks at, as plain JSON-able data (``rljob``: an RLJob to size vLLM for)."""
     environ = os.environ if environ is None else environ
     report: dict[str, Any] = {}
     try:
@@ -121,10 +123,31 @@ def collect(
     report["visibility"] = vis
     report["ray_env"] = {k: environ.get(k) for k in plat.ray_noset_env()}
     report["engines"] = {e: engine_report(e, import_engines) for e in ENGINES}
+    if plat.name == "cpu" and report["engines"]["vllm"]["installed"]:
+        report["vllm_cpu"] = vllm_cpu_report(rljob)
     problems = diagnose(report)
     report["problems"] = [dataclasses.asdict(p) for p in problems]
     report["ok"] = not any(p.severity == "error" for p in problems)
     return report
+
+
+def vllm_cpu_report(rljob: Any = None) -> dict[str, Any]:
+    """Would vLLM's CPU backend fit in this node's free RAM with the job's (or the default) sizing?"""
+    from rlkube.api import RolloutSpec
+    from rlkube.runtime.rollout.sizing import GiB, cpu_memory_problem, host_memory
+
+    mem = host_memory()
+    ro = rljob.spec.rollout if rljob is not None else RolloutSpec()
+    return {
+        "source": "rljob" if rljob is not None else "defaults",
+        "engine": ro.engine,
+        "total_gib": round(mem.total / GiB, 2),
+        "available_gib": round(mem.available / GiB, 2),
+        "limit_gib": None if mem.limit is None else round(mem.limit / GiB, 2),
+        "gpu_memory_utilization": ro.gpu_memory_utilization,
+        "kv_cache_memory": ro.kv_cache_memory,
+        "problem": cpu_memory_problem(ro.gpu_memory_utilization, ro.kv_cache_memory, mem),
+    }
 
 
 def diagnose(report: Mapping[str, Any]) -> list[Problem]:
@@ -138,6 +161,18 @@ def diagnose(report: Mapping[str, Any]) -> list[Problem]:
         "amdsmi" if amdsmi_r["device_count"] else ("rocm-smi" if rsmi_r["device_count"] else "nvidia-smi")
     )
     vis = report["visibility"]
+    if plat in ("amd", "nvidia") and report["platform"].get("forced") and not _probe_matched(report, plat):
+        why = "; ".join(report["platform"].get("probes", {}).get(plat, {}).get("reasons", []))
+        out.append(
+            Problem(
+                "FORCED_NO_GPUS",
+                "error",
+                f"RLKUBE_PLATFORM={plat} forces the {plat} platform but no {plat} GPU was found ({why}): "
+                "GPU workers would fail or run on the CPU.",
+                "Run on a node with the GPUs and drivers, or unset RLKUBE_PLATFORM so rlkube detects "
+                "the platform.",
+            )
+        )
     if vis["conflict"]:
         out.append(Problem("VISIBILITY_CONFLICT", "error", vis["conflict"], "Keep one visibility variable."))
     if plat == "amd":
@@ -175,7 +210,7 @@ def diagnose(report: Mapping[str, Any]) -> list[Problem]:
                     "Preload the ROCm SDK libraries with RTLD_LOCAL (Dockerfile.rocm does).",
                 )
             )
-        if torch_r["importable"] and not torch_r["hip"]:
+        if torch_r["importable"] and not torch_r["hip"] and _probe_matched(report, "amd"):
             out.append(
                 Problem(
                     "TORCH_NOT_ROCM",
@@ -223,11 +258,27 @@ def diagnose(report: Mapping[str, Any]) -> list[Problem]:
                     "`ray start` for partition resources (amd.com/cpx_*).",
                 )
             )
+    vc = report.get("vllm_cpu")
+    if vc and vc.get("problem") and (vc["source"] == "defaults" or vc["engine"] == "vllm"):
+        from_job = vc["source"] == "rljob"
+        out.append(
+            Problem(
+                "VLLM_CPU_MEMORY",
+                "error" if from_job else "warning",
+                vc["problem"] + ("" if from_job else " (rlkube's default sizing; check a job with --rljob)"),
+                "Set rollout.kvCacheMemory (e.g. 1Gi) or a lower rollout.gpuMemoryUtilization.",
+            )
+        )
     if plat in ("amd", "nvidia") and not torch_r["importable"]:
         out.append(
             Problem("TORCH_MISSING", "warning", f"torch not importable: {torch_r['error']}", "Install torch.")
         )
     return out
+
+
+def _probe_matched(report: Mapping[str, Any], name: str) -> bool:
+    """Did the platform's own probe find its GPUs (a forced platform skips the verdict, not the probe)?"""
+    return bool(report["platform"].get("probes", {}).get(name, {}).get("matched", True))
 
 
 def render_text(report: Mapping[str, Any]) -> str:
@@ -251,6 +302,17 @@ def render_text(report: Mapping[str, Any]) -> str:
         f"{k} {v['version']}" if v["installed"] else f"{k} -" for k, v in report["engines"].items()
     )
     lines.append(f"engines: {eng}")
+    vc = report.get("vllm_cpu")
+    if vc:
+        sizing = (
+            f"kvCacheMemory {vc['kv_cache_memory']}"
+            if vc["kv_cache_memory"]
+            else (f"gpuMemoryUtilization {vc['gpu_memory_utilization']}")
+        )
+        lines.append(
+            f"vllm on cpu ({vc['source']}): {sizing}; node RAM {vc['total_gib']} GiB, free "
+            f"{vc['available_gib']} GiB" + (f", pod limit {vc['limit_gib']} GiB" if vc["limit_gib"] else "")
+        )
     for pr in report["problems"]:
         lines.append(f"{pr['severity'].upper()} {pr['code']}: {pr['message']}\n  fix: {pr['fix']}")
     lines.append("OK" if report["ok"] else "PROBLEMS FOUND")
@@ -259,8 +321,16 @@ def render_text(report: Mapping[str, Any]) -> str:
 
 def run(args: Any) -> int:
     """Entry for `rlkube doctor`."""
+    job = None
+    if args.rljob is not None:
+        from rlkube.api import load_rljob, resolve
+
+        job = resolve(load_rljob(args.rljob))
     report = collect(
-        ray_address=args.ray_address, ray_local=args.ray_local, import_engines=args.import_engines
+        ray_address=args.ray_address,
+        ray_local=args.ray_local,
+        import_engines=args.import_engines,
+        rljob=job,
     )
     if args.json:
         sys.stdout.write(json.dumps(report, indent=2, default=str) + "\n")
@@ -277,4 +347,7 @@ def add_parser(sub: Any) -> None:
     g.add_argument("--ray-address", default=None, help="check GPUs of this running Ray cluster")
     g.add_argument("--ray-local", action="store_true", help="start a short-lived local Ray to check its GPUs")
     p.add_argument("--import-engines", action="store_true", help="really import each engine (slow)")
+    p.add_argument(
+        "--rljob", type=Path, default=None, help="also check this RLJob's rollout sizing against this machine"
+    )
     p.set_defaults(func=run)

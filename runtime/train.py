@@ -14,9 +14,51 @@ import os
 import sys
 from pathlib import Path
 
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+def configure_logging(verbose: bool = False) -> None:
+    """INFO lines (resume, checkpoints, warnings) on stderr, in this process and in Ray actors."""
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=LOG_FORMAT)
+    logging.getLogger().setLevel(logging.DEBUG if verbose else logging.INFO)
+
+
+OUTPUT_DIR_ENV = "RLKUBE_OUTPUT_DIR"
+
 
 def _default_output(job_name: str) -> Path:
-    return Path("outputs") / (job_name or "rljob")
+    """`$RLKUBE_OUTPUT_DIR/<name>` (in a pod: a mounted volume the results outlive it on), else
+    `outputs/<name>` under the working directory."""
+    return Path(os.environ.get(OUTPUT_DIR_ENV) or "outputs") / (job_name or "rljob")
+
+
+def user_error_line(exc: BaseException, rljob: Path) -> str | None:
+    """One line for a mistake the user can fix (the spec, a file, their reward), else None (a crash)."""
+    import yaml
+    from pydantic import ValidationError
+
+    from rlkube.api import InvalidRLJob
+    from rlkube.runtime.errors import find_user_error
+
+    if isinstance(exc, FileNotFoundError) and Path(str(exc.filename or "")) == rljob:
+        return f"--rljob {rljob}: no such file"
+    if isinstance(exc, IsADirectoryError | PermissionError) and Path(str(exc.filename or "")) == rljob:
+        return f"--rljob {rljob}: {exc.strerror}"
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark or exc.context_mark
+        where = f" line {mark.line + 1} column {mark.column + 1}" if mark is not None else ""
+        return f"{rljob}{where}: not valid YAML ({exc.problem or exc.context})"
+    if isinstance(exc, yaml.YAMLError):
+        return f"{rljob}: not valid YAML ({exc})"
+    if isinstance(exc, InvalidRLJob):
+        return f"{rljob}: " + "; ".join(str(e) for e in exc.errors)
+    if isinstance(exc, ValidationError):
+        errs = [f"{'.'.join(str(x) for x in e['loc'])}: {e['msg']}" for e in exc.errors()]
+        return f"{rljob}: " + "; ".join(errs)
+    if isinstance(exc, ValueError) and str(exc).startswith(str(rljob)):
+        return str(exc)  # load_rljob's own file-level messages (no document, wrong kind)
+    found = find_user_error(exc)
+    return None if found is None else str(found)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -34,12 +76,23 @@ def main(argv: list[str] | None = None) -> int:
         "--device", default=None, help="torch device of the trainer (default: cuda if present)"
     )
     parser.add_argument("-v", "--verbose", action="store_true")
-    args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    parser.add_argument(
+        "--debug", action="store_true", help="show the traceback of a user error (bad spec, file, reward)"
     )
+    args = parser.parse_args(argv)
+    configure_logging(args.verbose)
     os.environ.setdefault("PYTHONSAFEPATH", "1")
+    try:
+        return _run(args)
+    except Exception as exc:
+        line = user_error_line(exc, args.rljob)
+        if line is None or args.debug:
+            raise
+        print(f"rlkube-train: error: {line}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     import torch
 
     torch.set_num_threads(int(os.environ.get("RLKUBE_TORCH_THREADS", "1")))

@@ -33,6 +33,9 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.cluster)
+    # The real node's own lifecycle test needs the machine's one real node free: run it before
+    # anything starts the session's cluster.
+    items.sort(key=lambda item: 0 if item.get_closest_marker("realnode_lifecycle") else 1)
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ version_of() {  # version_of <dir> <module>
 }
 
 binary_name() {  # the file go build -o DIR/ writes for a main package (a /vN suffix is dropped)
-  case $1 in go.etcd.io/etcd/server/v3) echo etcd ;; *) basename "$1" ;; esac
+  case $1 in go.etcd.io/etcd/server/v3) echo etcd ;; rlkube.io/devcluster/coredns) echo coredns ;; *) basename "$1" ;; esac
 }
 
 # build <component> <dir> <module> <pkg...>: builds every pkg's main into the component's bin dir.
@@ -34,7 +34,7 @@ build() {
   fi
   echo "[build] $component $version: cold build (this can take minutes; progress below)"
   local start=$SECONDS ldflags="-s -w" tags=""
-  if [ "$component" = kubernetes ]; then
+  if [ "$component" = kubernetes ] || [ "$component" = kubernetes-node ]; then
     local minor=${version#v1.}; minor=${minor%%.*}
     ldflags="-s -w -X k8s.io/component-base/version.gitVersion=$version -X k8s.io/component-base/version.gitMajor=1 -X k8s.io/component-base/version.gitMinor=$minor"
     tags="selinux,notest,grpcnotrace"
@@ -74,12 +74,47 @@ kwok_stages() {  # kwok alone simulates nothing without Stage configs; take the 
   echo "[build] kwok stages: $out"
 }
 
+pause() {  # the pod sandbox's pause program, from pause.c in the same kubernetes module zip, static
+  local version; version=$(version_of kubernetes k8s.io/kubernetes)
+  local out="$cache/pause-$version/bin"
+  if [ ! -x "$out/pause" ]; then
+    command -v gcc >/dev/null || { echo "[build] pause needs gcc (apt-get install gcc libc6-dev)" >&2; exit 1; }
+    local dir; dir=$(cd "$here/kubernetes" && go mod download -json "k8s.io/kubernetes@$version" | python3 -P -c 'import json,sys; print(json.load(sys.stdin)["Dir"])')
+    mkdir -p "$out"
+    gcc -Os -Wall -Werror -static -DVERSION="$version-rlkube" -o "$out/pause.tmp" "$dir/build/pause/linux/pause.c"
+    strip "$out/pause.tmp" && mv "$out/pause.tmp" "$out/pause"
+  fi
+  echo "[build] pause: $out/pause"
+}
+
+packages() {  # Debian packages of the real node and the image builder, installed when missing (root)
+  local want="containerd runc containernetworking-plugins iptables conntrack debootstrap socat ebtables gcc libc6-dev"
+  local missing="" p
+  for p in $want; do dpkg -s "$p" >/dev/null 2>&1 || missing="$missing $p"; done
+  if [ -z "$missing" ]; then echo "[build] node packages: installed"; return; fi
+  if [ "$(id -u)" != 0 ]; then
+    echo "[build] node packages missing:$missing (not root, so the cluster will be kwok-only)"
+    return
+  fi
+  echo "[build] apt-get install$missing"
+  apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends $missing >/dev/null
+  echo "[build] node packages: installed"
+}
+
+# The control plane (kubernetes etcd kwok kuberay helm) is the default; the real node's (packages = its Debian
+# packages, kubernetes-node = kubelet + kube-proxy, coredns, pause) by `build.sh node` or by name.
 components=${*:-kubernetes etcd kwok kuberay helm}
+[ "$components" = node ] && components="packages kubernetes-node coredns pause"
 for c in $components; do
   case $c in
     kubernetes) build kubernetes kubernetes k8s.io/kubernetes \
                   k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-controller-manager \
                   k8s.io/kubernetes/cmd/kube-scheduler ;;
+    kubernetes-node) build kubernetes-node kubernetes k8s.io/kubernetes \
+                  k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kube-proxy ;;
+    coredns)    build coredns coredns github.com/coredns/coredns rlkube.io/devcluster/coredns ;;
+    pause)      pause ;;
+    packages)   packages ;;
     etcd)       build etcd etcd go.etcd.io/etcd/server/v3 go.etcd.io/etcd/server/v3 ;;
     kwok)       build kwok kwok sigs.k8s.io/kwok sigs.k8s.io/kwok/cmd/kwok; kwok_stages ;;
     kuberay)    build kuberay kuberay github.com/ray-project/kuberay/ray-operator github.com/ray-project/kuberay/ray-operator; crds ;;

@@ -23,13 +23,15 @@ mkdir -p "$here/kubernetes"
 cat > "$here/kubernetes/tools.go" <<'GO'
 //go:build tools
 
-// Package tools pins the control-plane commands this wrapper module builds.
+// Package tools pins the commands this wrapper module builds (control plane and real node).
 package tools
 
 import (
 	_ "k8s.io/kubernetes/cmd/kube-apiserver"
 	_ "k8s.io/kubernetes/cmd/kube-controller-manager"
 	_ "k8s.io/kubernetes/cmd/kube-scheduler"
+	_ "k8s.io/kubernetes/cmd/kubelet"
+	_ "k8s.io/kubernetes/cmd/kube-proxy"
 )
 GO
 cd "$here/kubernetes" && go mod tidy -e

@@ -100,6 +100,13 @@ def container_env(ctx: PodContext, group: str) -> list[dict[str, str]]:
     return [{"name": k, "value": v} for k, v in env.items()]
 
 
+def _cpu_request(cpus: int, defaults: RenderDefaults) -> str:
+    """The CPU request for a limit of `cpus` cores under the admin's cpuRequestPercent."""
+    if defaults.cpu_request_percent >= 100:
+        return str(cpus)
+    return f"{max(1, cpus * 10 * defaults.cpu_request_percent)}m"
+
+
 def _ray_params(values: dict[str, Any]) -> dict[str, str]:
     """KubeRay requires every rayStartParams value to be a string."""
     return {k: str(v) for k, v in values.items()}
@@ -208,7 +215,10 @@ def render_worker_group(ctx: PodContext, group: WorkerGroup) -> dict[str, Any]:
         ctx,
         name="ray-worker",
         group=group.name,
-        resources={"requests": {"cpu": str(group.cpus), "memory": group.memory}, "limits": limits},
+        resources={
+            "requests": {"cpu": _cpu_request(group.cpus, ctx.defaults), "memory": group.memory},
+            "limits": limits,
+        },
         mounts=mounts,
     )
     node_selector = dict(spec.gpu.node_selector)
@@ -242,7 +252,7 @@ def render_head_group(ctx: PodContext) -> dict[str, Any]:
         ctx,
         name="ray-head",
         group=HEAD_GROUP,
-        resources={"requests": size, "limits": dict(size)},
+        resources={"requests": {**size, "cpu": _cpu_request(cpus, ctx.defaults)}, "limits": size},
         mounts=mounts,
     )
     return {
@@ -253,9 +263,37 @@ def render_head_group(ctx: PodContext) -> dict[str, Any]:
             container=container,
             volumes=volumes,
             node_selector=dict(ctx.defaults.head_node_selector),
-            tolerations=[],
+            tolerations=list(ctx.defaults.head_tolerations),
         ),
     }
+
+
+def render_submitter_template(head: dict[str, Any]) -> dict[str, Any]:
+    """KubeRay's submitter pod (it runs `ray job submit`), placed where the head goes.
+
+    KubeRay's default has no placement, so it could land on any node (a GPU node, or one the head
+    cannot be reached from); its command and env stay KubeRay's (left unset here).
+    """
+    head_spec = head["template"]["spec"]
+    container = head_spec["containers"][0]
+    pod: dict[str, Any] = {
+        "restartPolicy": "Never",
+        "containers": [
+            {
+                "name": "ray-job-submitter",
+                "image": container["image"],
+                "imagePullPolicy": container["imagePullPolicy"],
+                "resources": {
+                    "requests": {"cpu": "100m", "memory": "200Mi"},
+                    "limits": {"cpu": "1", "memory": "1Gi"},
+                },
+            }
+        ],
+    }
+    for key in ("nodeSelector", "tolerations", "imagePullSecrets", "priorityClassName"):
+        if key in head_spec:
+            pod[key] = head_spec[key]
+    return {"spec": pod}
 
 
 def render_ray_job(ctx: PodContext) -> dict[str, Any]:
@@ -276,6 +314,7 @@ def render_ray_job(ctx: PodContext) -> dict[str, Any]:
     }
     if spec.active_deadline_seconds is not None:
         ray_spec["activeDeadlineSeconds"] = spec.active_deadline_seconds
+    ray_spec["submitterPodTemplate"] = render_submitter_template(cluster_spec["headGroupSpec"])
     if not ctx.owner.kueue_managed:
         # With a Kueue queue label, Kueue alone toggles suspend: leaving it out of the applied manifest
         # means rlkube's field manager never owns it, so the two never fight.

@@ -8,6 +8,7 @@ import logging
 import math
 import sys
 from collections.abc import Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -63,10 +64,20 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 
 
 class TensorBoardSink:
-    def __init__(self, logdir: str | Path) -> None:
+    """Scalars per step. With ``history`` (a resume) the old event files are replaced by a fresh one
+    holding exactly those rows, so re-run steps appear once in any TensorBoard reader."""
+
+    def __init__(self, logdir: str | Path, history: Sequence[dict[str, Any]] | None = None) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
+        if history is not None:
+            for old in Path(logdir).glob("events.out.tfevents.*"):
+                old.unlink()
         self._w = SummaryWriter(log_dir=str(logdir))
+        for row in history or []:
+            step = row.get("step")
+            if isinstance(step, int):
+                self.write(step, _clean({k: v for k, v in row.items() if k != "step"}))
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         for k, v in metrics.items():
@@ -78,9 +89,16 @@ class TensorBoardSink:
 
 
 class TerminalSink:
-    """A rich progress bar on a TTY, one compact line per step otherwise (CI logs, kubectl logs)."""
+    """A rich progress bar on a TTY, one compact timestamped line per step otherwise (CI, kubectl logs)."""
 
-    KEYS = ("reward/mean", "eval/reward_mean", "staleness/mean", "perf/tokens_per_s", "timing_s/step")
+    # metric -> label on the line (labels are unique: a reader greps for them)
+    KEYS = {
+        "reward/mean": "reward",
+        "eval/reward_mean": "eval",
+        "staleness/mean": "staleness",
+        "perf/tokens_per_s": "tok/s",
+        "timing_s/step": "step_s",
+    }
 
     def __init__(self, total: int, start: int = 0, stream: Any = None) -> None:
         self.total = total
@@ -110,17 +128,14 @@ class TerminalSink:
                 self._progress = None
 
     def _line(self, metrics: dict[str, float]) -> str:
-        parts = []
-        for k in self.KEYS:
-            if k in metrics:
-                parts.append(f"{k.split('/')[-1] if k != 'eval/reward_mean' else 'eval'}={metrics[k]:.3g}")
-        return " ".join(parts)
+        return " ".join(f"{label}={metrics[k]:.3g}" for k, label in self.KEYS.items() if k in metrics)
 
     def write(self, step: int, metrics: dict[str, float]) -> None:
         if self._progress is not None:
             self._progress.update(self._task, completed=step, description=self._line(metrics))
         else:
-            print(f"step {step}/{self.total} {self._line(metrics)}", file=self.stream, flush=True)
+            now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            print(f"{now} step {step}/{self.total} {self._line(metrics)}", file=self.stream, flush=True)
 
     def close(self) -> None:
         if self._progress is not None:

@@ -20,6 +20,23 @@ from rlkube.api.contract import ENV_RLJOB_NAME, ENV_RLJOB_NAMESPACE, now_rfc3339
 log = logging.getLogger(__name__)
 
 
+# Metrics copied into status.progress.metrics (as e.g. staleness_dropped_groups_total): the headline
+# extras plus every count of work thrown away, so `kubectl get rljob -o yaml` shows what was dropped.
+PROGRESS_EXTRAS = (
+    "eval/reward_mean",
+    "reward/accuracy",
+    "perf/mfu",
+    "timing_s/update_weights",
+    "staleness/max",
+    "staleness/stale_fraction",
+    "staleness/dropped_groups_total",
+    "dynamic_sampling/dropped_groups_total",
+    "reward/nonfinite_total",
+    "data/prompts_drawn",
+    "data/prompts_too_long_total",
+)
+
+
 def progress_from_metrics(
     step: int, total: int, m: dict[str, float], last_ckpt: int | None = None
 ) -> Progress:
@@ -29,12 +46,7 @@ def progress_from_metrics(
         v = m.get(k)
         return None if v is None else float(v)
 
-    extra = {
-        k.replace("/", "_"): float(v)
-        for k, v in m.items()
-        if k
-        in ("eval/reward_mean", "reward/accuracy", "perf/mfu", "timing_s/update_weights", "staleness/max")
-    }
+    extra = {k.replace("/", "_"): float(v) for k, v in m.items() if k in PROGRESS_EXTRAS}
     return Progress(
         step=step,
         total_steps=total,
@@ -122,4 +134,8 @@ class StatusPusher:
                 self._warned = True
             return False
         self.pushed += 1
+        if self.pushed == 1:  # one line, so a pod's log shows where its progress goes
+            log.info(
+                "status.progress of rljob %s/%s pushed (step %s)", self.namespace, self.name, progress.step
+            )
         return True

@@ -34,7 +34,7 @@ from rlkube.runtime.rollout.base import (
     sample_seed,
 )
 from rlkube.runtime.rollout.hf_decode import CompileSetting, StaticDecoder, counter_uniform
-from rlkube.runtime.rollout.registry import spec_dtype
+from rlkube.runtime.rollout.registry import model_config_overrides, spec_dtype
 
 if TYPE_CHECKING:
     from rlkube.api import RLJobSpec
@@ -110,6 +110,7 @@ class HFEngine(ThreadedEngine):
         max_stop_ids: int = 8,
         seed: int = 0,
         version: int = 0,
+        config_overrides: dict[str, Any] | None = None,
     ) -> None:
         if model is None:
             if model_path is None:
@@ -118,7 +119,9 @@ class HFEngine(ThreadedEngine):
 
             dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
             tdtype = _dtype(dtype) or (torch.bfloat16 if dev.type == "cuda" else torch.float32)
-            loaded: Any = AutoModelForCausalLM.from_pretrained(str(model_path), dtype=tdtype)
+            loaded: Any = AutoModelForCausalLM.from_pretrained(
+                str(model_path), dtype=tdtype, **(config_overrides or {})
+            )
             model = loaded.to(dev)
         self.model = model.eval()
         self.device = next(self.model.parameters()).device
@@ -499,4 +502,5 @@ def options_from_spec(spec: RLJobSpec) -> dict[str, Any]:
         "num_slots": slots,
         "max_seq_len": spec.data.max_prompt_length + spec.data.max_response_length,
         "seed": spec.training.seed,
+        "config_overrides": model_config_overrides(spec),
     }

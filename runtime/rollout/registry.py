@@ -76,3 +76,9 @@ def spec_dtype(spec: RLJobSpec) -> str:
     import torch
 
     return spec.model.dtype if torch.cuda.is_available() else "float32"
+
+
+def model_config_overrides(spec: RLJobSpec) -> dict[str, Any]:
+    """config.json fields the spec overrides (model.maxPositionEmbeddings), for every engine."""
+    mpe = spec.model.max_position_embeddings
+    return {"max_position_embeddings": mpe} if mpe else {}

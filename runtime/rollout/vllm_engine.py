@@ -35,7 +35,7 @@ from rlkube.runtime.rollout.base import (
     expand_samples,
     sample_seed,
 )
-from rlkube.runtime.rollout.registry import spec_dtype
+from rlkube.runtime.rollout.registry import model_config_overrides, spec_dtype
 from rlkube.runtime.rollout.vllm_worker import bucket_to_wire, tensor_from_wire, tensor_to_wire
 
 WORKER_EXTENSION = "rlkube.runtime.rollout.vllm_worker.WeightLoaderExtension"
@@ -86,8 +86,10 @@ class VLLMEngine(ThreadedEngine):
             logprobs_mode="raw_logprobs",
             enable_prefix_caching=True,
         )
+        # On vLLM's CPU backend gpu_memory_utilization is the share of the node's RAM it reserves
+        # (its default 0.92 rarely fits a shared machine): pass the spec's on every platform.
+        kwargs["gpu_memory_utilization"] = gpu_memory_utilization
         if self._on_gpu:
-            kwargs["gpu_memory_utilization"] = gpu_memory_utilization
             kwargs["enable_sleep_mode"] = enable_sleep_mode
         kwargs.update(engine_args)
         self._sleep_mode = bool(enable_sleep_mode)
@@ -325,11 +327,16 @@ def _asdict(p: SamplingParams) -> dict[str, Any]:
 
 def options_from_spec(spec: RLJobSpec) -> dict[str, Any]:
     """VLLMEngine options for a spec: context length, memory share, tensor parallelism, batch width."""
-    return {
+    from rlkube.runtime.rollout.sizing import vllm_memory_options
+
+    opts: dict[str, Any] = {
         "max_model_len": spec.data.max_prompt_length + spec.data.max_response_length,
         "seed": spec.training.seed,
         "dtype": spec_dtype(spec),
-        "gpu_memory_utilization": spec.rollout.gpu_memory_utilization,
         "tensor_parallel_size": spec.rollout.tensor_parallel_size,
         "max_num_seqs": spec.rollout.max_num_seqs,
+        **vllm_memory_options(spec),  # gpuMemoryUtilization / kvCacheMemory, on every platform
     }
+    if overrides := model_config_overrides(spec):
+        opts["hf_overrides"] = overrides
+    return opts

@@ -101,11 +101,20 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
-def load_causal_lm(path: str, *, device: torch.device, gradient_checkpointing: bool = False) -> nn.Module:
-    """fp32 master weights (bf16 compute comes from autocast / FSDP2 mixed precision)."""
+def load_causal_lm(
+    path: str,
+    *,
+    device: torch.device,
+    gradient_checkpointing: bool = False,
+    config_overrides: dict[str, Any] | None = None,
+) -> nn.Module:
+    """fp32 master weights (bf16 compute comes from autocast / FSDP2 mixed precision).
+
+    ``config_overrides`` replace config.json fields (``model.maxPositionEmbeddings``).
+    """
     from transformers import AutoModelForCausalLM
 
-    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, **(config_overrides or {}))
     model = model.to(device)
     if gradient_checkpointing and device.type != "cpu":
         model.gradient_checkpointing_enable()
@@ -230,6 +239,7 @@ class PolicyWorker(_Worker):
         micro_batch_size: int = 8,
         gradient_checkpointing: bool = False,
         model: nn.Module | None = None,
+        config_overrides: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(device=device, bf16=bf16, micro_batch_size=micro_batch_size)
         self.loss_cfg = loss or LossConfig()
@@ -237,7 +247,10 @@ class PolicyWorker(_Worker):
         self.trainable = trainable
         if model is None:
             model = load_causal_lm(
-                model_path, device=self.device, gradient_checkpointing=gradient_checkpointing
+                model_path,
+                device=self.device,
+                gradient_checkpointing=gradient_checkpointing,
+                config_overrides=config_overrides,
             )
         else:  # an in-memory model (benchmarks): fp32 master weights on this worker's device
             model = model.to(device=self.device, dtype=torch.float32)
@@ -486,11 +499,12 @@ class CriticWorker(_Worker):
         device: str | torch.device | None = None,
         bf16: bool | None = None,
         micro_batch_size: int = 8,
+        config_overrides: dict[str, Any] | None = None,
     ) -> None:
         super().__init__(device=device, bf16=bf16, micro_batch_size=micro_batch_size)
         self.optim_cfg = optim or OptimConfig(lr=1e-5)
         self.loss_cfg = loss or LossConfig()
-        lm = load_causal_lm(model_path, device=self.device)
+        lm = load_causal_lm(model_path, device=self.device, config_overrides=config_overrides)
         self.model = self._wrap(ValueModel(lm).to(self.device))
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=self.optim_cfg.lr, weight_decay=self.optim_cfg.weight_decay

@@ -1,34 +1,44 @@
-"""Atomic checkpoints: ``<dir>/step-000012/`` appears whole or not at all.
+"""The trainer's checkpoint format: ``<dir>/step-000012/`` with ``state.pt`` and ``replay.json``.
 
-Each checkpoint is written into a temporary sibling directory, fsynced, then renamed into place
-(rename is atomic on one filesystem, a PVC included); ``latest`` is the newest complete directory,
-found by listing, so a kill between the rename and anything else cannot leave a dangling pointer.
-Contents: ``state.pt`` (model, optimizer, scheduler, step, weights version, sampler position, RNG)
-and ``replay.json`` (buffered samples with their policy versions, async modes).
+``state.pt``: model, optimizer, scheduler, step, weights version, sampler position, counters, RNG.
+``replay.json``: buffered samples with their policy versions (async modes). Atomicity, the manifest,
+verification, fallback to an older checkpoint and clean-up after a failed save are
+:mod:`checkpoint_guard`'s job, so this module only says how the two files are written and read.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 
-PREFIX = "step-"
+from rlkube.runtime.trainer.checkpoint_guard import (
+    CorruptCheckpoint,
+    list_checkpoints,
+    load_newest,
+    prune,
+    staged,
+)
+
+__all__ = ["list_checkpoints", "load_latest", "save_checkpoint"]
+
+WHERE = "checkpoint.path"  # the spec field that chooses the root (else <output>/checkpoints)
 
 
-def _fsync_dir(path: Path) -> None:
+def _write(path: Path, write: Any) -> None:
+    """Write one file durably; an OSError carries the file name (the guard reports it)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        with path.open("wb") as f:
+            write(f)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        if e.filename is None:
+            raise OSError(e.errno, e.strerror, str(path)) from e
+        raise
 
 
 def save_checkpoint(
@@ -40,50 +50,31 @@ def save_checkpoint(
 ) -> Path:
     """Write checkpoint ``step`` atomically and prune all but the newest ``keep``."""
     root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    final = root / f"{PREFIX}{step:06d}"
-    tmp = root / f".tmp-{PREFIX}{step:06d}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    with (tmp / "state.pt").open("wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    with (tmp / "replay.json").open("w") as f:
-        json.dump({"step": step, "samples": replay or []}, f)
-        f.flush()
-        os.fsync(f.fileno())
-    _fsync_dir(tmp)
-    if final.exists():  # a re-save of the same step (resume then immediate save): replace it
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync_dir(root)
-    for old in list_checkpoints(root)[:-keep]:
-        shutil.rmtree(old, ignore_errors=True)
-    for stale in root.glob(f".tmp-{PREFIX}*"):
-        if stale != tmp:
-            shutil.rmtree(stale, ignore_errors=True)
-    return final
+    with staged(root, step, where=WHERE) as tmp:
+        _write(tmp / "state.pt", lambda f: torch.save(state, f))
+        payload = json.dumps({"step": step, "samples": replay or []}).encode()
+        _write(tmp / "replay.json", lambda f: f.write(payload))
+    prune(root, keep)
+    return root / f"step-{step:06d}"
 
 
-def list_checkpoints(root: str | Path) -> list[Path]:
-    """Complete checkpoints, oldest first."""
-    root = Path(root)
-    if not root.is_dir():
-        return []
-    out = [
-        p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and (p / "state.pt").exists()
-    ]
-    return sorted(out, key=lambda p: int(p.name[len(PREFIX) :]))
+def _load(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    try:
+        state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
+    except Exception as e:
+        raise CorruptCheckpoint(path / "state.pt", f"unreadable ({e})") from e
+    try:
+        replay = json.loads((path / "replay.json").read_text()).get("samples", [])
+    except (OSError, ValueError, AttributeError) as e:
+        raise CorruptCheckpoint(path / "replay.json", f"unreadable ({e})") from e
+    return state, replay
 
 
 def load_latest(root: str | Path) -> tuple[dict[str, Any], list[dict[str, Any]]] | None:
-    """(state, replay samples) of the newest checkpoint, or None."""
-    ckpts = list_checkpoints(root)
-    if not ckpts:
-        return None
-    path = ckpts[-1]
-    state = torch.load(path / "state.pt", map_location="cpu", weights_only=False)
-    replay = json.loads((path / "replay.json").read_text()).get("samples", [])
-    return state, replay
+    """(state, replay samples) of the newest checkpoint that verifies and loads, or None.
+
+    Older checkpoints are tried when the newest is bad (it is renamed ``corrupt-step-N`` and
+    reported); :class:`CheckpointLoadError` when none loads.
+    """
+    found = load_newest(root, _load, where=WHERE)
+    return None if found is None else found[1]

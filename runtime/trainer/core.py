@@ -7,10 +7,14 @@ code runs in one process (sync, hf engine) and inside a Ray trainer actor (all t
 
 from __future__ import annotations
 
+import logging
+import math
 import random
 import time
+from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -28,8 +32,10 @@ from rlkube.runtime.algos import (
 )
 from rlkube.runtime.data import PromptSampler, load_records
 from rlkube.runtime.data.records import Record
+from rlkube.runtime.errors import NonFiniteRewardError, UserError
 from rlkube.runtime.rewards import get_reward_fn
 from rlkube.runtime.rollout.base import Completion, RolloutRequest, SamplingParams
+from rlkube.runtime.rollout.registry import model_config_overrides
 from rlkube.runtime.trainer.actor import (
     CriticWorker,
     LossConfig,
@@ -38,6 +44,8 @@ from rlkube.runtime.trainer.actor import (
     needs_old_logprob_pass,
 )
 from rlkube.runtime.trainer.batch import Batch, Sample, collate
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -59,19 +67,37 @@ class Trainer:
         spec = self.spec = job.spec
         torch.manual_seed(spec.training.seed)
         random.seed(spec.training.seed)
-        self.tokenizer = AutoTokenizer.from_pretrained(spec.model.tokenizer_path or spec.model.path)
+        check_model_dir("model.path", spec.model.path)
+        tok_path = spec.model.tokenizer_path or spec.model.path
+        if tok_path != spec.model.path:
+            check_model_dir("model.tokenizerPath", tok_path, need="tokenizer")
+        self.tokenizer = AutoTokenizer.from_pretrained(tok_path)
         self.pad_id = int(self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0)
         self.eos_id = int(self.tokenizer.eos_token_id)
         d = spec.data
-        self.train_records = load_records(d.train, prompt_key=d.prompt_key, answer_key=d.answer_key)
+        self.train_records = load_data("data.train", d.train, d.prompt_key, d.answer_key)
         self.val_records = (
-            load_records(d.validation, prompt_key=d.prompt_key, answer_key=d.answer_key)
-            if d.validation
-            else []
+            load_data("data.validation", d.validation, d.prompt_key, d.answer_key) if d.validation else []
         )
+        if self.val_records:
+            fits = [r for r in self.val_records if len(self.encode(r, cut=False)) <= d.max_prompt_length]
+            if len(fits) < len(self.val_records):
+                log.warning(
+                    "data.validation: %d of %d prompts are longer than data.maxPromptLength (%d tokens) "
+                    "and are left out of evaluation",
+                    len(self.val_records) - len(fits),
+                    len(self.val_records),
+                    d.max_prompt_length,
+                )
+            self.val_records = fits
         self.sampler = PromptSampler(self.train_records, 1, seed=d.seed, shuffle=d.shuffle)
         self.prompts_drawn = 0
+        self.prompts_too_long = 0  # skipped for exceeding data.maxPromptLength (never cut)
+        self.nonfinite_rewards = 0  # samples skipped for a NaN/inf reward (data.nonFiniteReward: skip)
+        # Run-long counts the mode drivers keep (dropped groups, aborts), checkpointed with the rest.
+        self.totals: Counter[str] = Counter()
         self.reward_fn = get_reward_fn(d.reward)
+        overrides = model_config_overrides(spec)
         a, t = spec.algorithm, spec.training
         self.loss_cfg = LossConfig(
             clip_low=a.clip_ratio_low,
@@ -106,6 +132,7 @@ class Trainer:
             bf16=bf16,
             micro_batch_size=mbs,
             gradient_checkpointing=spec.model.gradient_checkpointing,
+            config_overrides=overrides,
         )
         self.use_ref = a.kl.use_kl_loss or a.kl.in_reward
         self.ref = (
@@ -116,6 +143,7 @@ class Trainer:
                 device=device,
                 bf16=bf16,
                 micro_batch_size=mbs,
+                config_overrides=overrides,
             )
             if self.use_ref
             else None
@@ -135,6 +163,7 @@ class Trainer:
                 device=device,
                 bf16=bf16,
                 micro_batch_size=mbs,
+                config_overrides=overrides,
             )
             if a.effective_advantage_estimator in CRITIC_ESTIMATORS
             else None
@@ -149,22 +178,39 @@ class Trainer:
         self.rng = random.Random(spec.training.seed)
 
     # -- prompts and requests ----------------------------------------------------------------
-    def encode(self, record: Record) -> list[int]:
-        """Prompt ids: BOS (when the tokenizer has one) + the prompt, truncated on the left."""
+    def encode(self, record: Record, *, cut: bool = True) -> list[int]:
+        """Prompt ids: BOS (when the tokenizer has one) + the prompt.
+
+        Prompts longer than ``data.maxPromptLength`` are skipped by ``next_prompts`` (never trained
+        on cut); ``cut`` only keeps evaluation of such a prompt within the engine's length limit.
+        """
         if record.messages is not None and getattr(self.tokenizer, "chat_template", None):
             ids = list(self.tokenizer.apply_chat_template(record.messages, add_generation_prompt=True))
         else:
             ids = list(self.tokenizer(record.prompt, add_special_tokens=False).input_ids)
             if self.tokenizer.bos_token_id is not None:
                 ids = [int(self.tokenizer.bos_token_id), *ids]
-        return ids[-self.spec.data.max_prompt_length :]
+        return ids[-self.spec.data.max_prompt_length :] if cut else ids
 
     def next_prompts(self, n: int) -> list[PromptRef]:
-        """The next ``n`` prompts of the resumable stream."""
-        out = []
-        for _ in range(n):
+        """The next ``n`` prompts of the resumable stream; over-long ones are skipped and counted."""
+        out: list[PromptRef] = []
+        limit = self.spec.data.max_prompt_length
+        skipped_in_a_row = 0
+        while len(out) < n:
             (rec,) = self.sampler.next_batch()
-            out.append(PromptRef(rec, self.prompts_drawn, self.encode(rec)))
+            ids = self.encode(rec, cut=False)
+            if len(ids) > limit:
+                self.prompts_too_long += 1
+                skipped_in_a_row += 1
+                if skipped_in_a_row > len(self.train_records):
+                    raise UserError(
+                        f"data.maxPromptLength: every prompt of data.train ({self.spec.data.train}) is "
+                        f"longer than {limit} tokens; raise data.maxPromptLength"
+                    )
+                continue
+            skipped_in_a_row = 0
+            out.append(PromptRef(rec, self.prompts_drawn, ids))
             self.prompts_drawn += 1
         return out
 
@@ -192,12 +238,17 @@ class Trainer:
     # -- rewards -----------------------------------------------------------------------------
     def score(self, completions: Sequence[Completion], prompts: dict[str, PromptRef]) -> list[Sample]:
         """Decode, reward and shape completions (overlong penalty) into samples."""
-        texts = []
+        texts: list[str] = []
         for c in completions:
             ids = [t for t in c.token_ids if t != self.eos_id]
-            texts.append(self.tokenizer.decode(ids, skip_special_tokens=True))
+            texts.append(str(self.tokenizer.decode(ids, skip_special_tokens=True)))
         refs = [prompts[c.request_id] for c in completions]
         results = self.reward_fn([r.record.prompt for r in refs], texts, [r.record.answer for r in refs])
+        bad = [i for i, r in enumerate(results) if not math.isfinite(float(r.score))]
+        if bad:
+            completions, results, refs, texts = self._drop_nonfinite(bad, completions, results, refs, texts)
+            if not completions:
+                return []
         scores = torch.tensor([float(r.score) for r in results], dtype=torch.float32)
         ob = self.spec.algorithm.overlong_buffer
         max_len = self.spec.data.max_response_length
@@ -223,6 +274,39 @@ class Trainer:
                 )
             )
         return out
+
+    def _drop_nonfinite(
+        self, bad: list[int], completions: Sequence[Completion], results: Any, refs: Any, texts: Any
+    ) -> tuple[list[Completion], list[Any], list[PromptRef], list[str]]:
+        """``data.nonFiniteReward``: stop naming the reward function and the sample, or skip and count."""
+        d = self.spec.data
+        if d.non_finite_reward == "error":
+            i = bad[0]
+            c = completions[i]
+            raise NonFiniteRewardError(
+                f"reward function {d.reward!r} returned {float(results[i].score)} for sample "
+                f"{c.request_id}#{c.sample_index} (prompt {refs[i].record.prompt[:60]!r}, response "
+                f"{texts[i][:60]!r}; {len(bad)} of {len(results)} in this call): fix the reward function, "
+                "or set data.nonFiniteReward: skip to leave such samples out and count them"
+            )
+        self.nonfinite_rewards += len(bad)
+        drop = set(bad)
+        keep = [i for i in range(len(results)) if i not in drop]
+        return (
+            [completions[i] for i in keep],
+            [results[i] for i in keep],
+            [refs[i] for i in keep],
+            [texts[i] for i in keep],
+        )
+
+    def counters(self) -> dict[str, float]:
+        """Run-long counts for metrics and status.progress (they survive a resume)."""
+        return {
+            "data/prompts_drawn": float(self.prompts_drawn),
+            "data/prompts_too_long_total": float(self.prompts_too_long),
+            "reward/nonfinite_total": float(self.nonfinite_rewards),
+            **{k: float(v) for k, v in self.totals.items()},
+        }
 
     # -- the update --------------------------------------------------------------------------
     def train(
@@ -390,6 +474,9 @@ class Trainer:
             "step": self.step,
             "version": self.version,
             "prompts_drawn": self.prompts_drawn,
+            "prompts_too_long": self.prompts_too_long,
+            "nonfinite_rewards": self.nonfinite_rewards,
+            "totals": dict(self.totals),
             "sampler": self.sampler.state_dict(),
             "actor": self.actor.state_dict(),
             "critic": self.critic.state_dict() if self.critic is not None else None,
@@ -404,6 +491,10 @@ class Trainer:
         self.step = int(state["step"])
         self.version = int(state["version"])
         self.prompts_drawn = int(state["prompts_drawn"])
+        self.prompts_too_long = int(state.get("prompts_too_long", 0))
+        self.nonfinite_rewards = int(state.get("nonfinite_rewards", 0))
+        for k, v in state.get("totals", {}).items():  # in place: the mode driver holds this Counter
+            self.totals[k] = int(v)
         self.sampler.load_state_dict(state["sampler"])
         self.actor.load_state_dict(state["actor"])
         if self.critic is not None and state.get("critic") is not None:
@@ -413,6 +504,30 @@ class Trainer:
         random.setstate(_as_state(rng["global_python"]))
         torch.set_rng_state(rng["torch"])
         self.sender.reset()  # the engine starts from the checkpoint's weights: first sync is dense
+
+
+def check_model_dir(field: str, path: str, need: str = "config.json") -> None:
+    """A local Hugging Face directory, or a UserError naming the field (never a hub lookup)."""
+    p = Path(path)
+    if not p.is_dir():
+        raise UserError(
+            f"{field}: {path} is not a directory on this machine/pod; point it at a Hugging Face model "
+            "directory (config.json, weights, tokenizer) or mount one there"
+        )
+    if need == "config.json" and not (p / "config.json").is_file():
+        raise UserError(f"{field}: {path} has no config.json; point it at a Hugging Face model directory")
+
+
+def load_data(field: str, path: str, prompt_key: str, answer_key: str) -> list[Record]:
+    """Records of a data file, or a UserError naming the field, the file and what is wrong."""
+    try:
+        records = load_records(path, prompt_key=prompt_key, answer_key=answer_key)
+    except (OSError, ValueError, KeyError) as e:
+        msg = e.args[0] if isinstance(e, KeyError) and e.args else e
+        raise UserError(f"{field}: {msg}") from e
+    if not records:
+        raise UserError(f"{field}: {path} holds no records; point it at a non-empty .jsonl or .parquet file")
+    return records
 
 
 def _as_state(s: Any) -> Any:

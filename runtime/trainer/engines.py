@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 from rlkube.api import RLJobSpec
+from rlkube.runtime.errors import UserError
+
+log = logging.getLogger(__name__)
 
 
 def build_engine(spec: RLJobSpec, model_path: str | None = None, **overrides: Any) -> Any:
@@ -12,8 +17,30 @@ def build_engine(spec: RLJobSpec, model_path: str | None = None, **overrides: An
     from rlkube.runtime.rollout.registry import engine_options, make_engine
 
     kind = spec.rollout.engine
+    if kind in ("hf", "vllm"):
+        from rlkube.runtime.trainer.core import check_model_dir
+
+        check_model_dir("model.path", model_path or spec.model.path)
+    if kind == "vllm" and not _on_gpu():
+        from rlkube.runtime.rollout.sizing import cpu_plan_problem
+
+        problem = cpu_plan_problem(spec)
+        if problem:
+            raise UserError(problem)
+        if spec.rollout.kv_cache_memory and os.environ.get("VLLM_CPU_KVCACHE_SPACE"):
+            log.warning(
+                "VLLM_CPU_KVCACHE_SPACE=%s GiB is set: vLLM uses it instead of rollout.kvCacheMemory (%s)",
+                os.environ["VLLM_CPU_KVCACHE_SPACE"],
+                spec.rollout.kv_cache_memory,
+            )
     opts = {**engine_options(spec, kind), **overrides}
     return make_engine(kind, model_path or spec.model.path, **opts)
+
+
+def _on_gpu() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
 
 
 class RayEngineProxy:

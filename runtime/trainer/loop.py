@@ -130,7 +130,9 @@ def run_loop(
         driver.load_replay(replay)
         resumed_from = trainer.step
         _truncate_metrics(metrics_path, trainer.step)
-        log.info("resumed from checkpoint at step %d (version %d)", trainer.step, trainer.version)
+        log.info(
+            "resumed from checkpoint at step %d (version %d) in %s", trainer.step, trainer.version, ckpt_dir
+        )
     driver.after_resume()
     total = spec.training.total_steps
     stop = total if max_steps is None else min(total, trainer.step + max_steps)
@@ -143,7 +145,10 @@ def run_loop(
     sinks: list[Any] = [JsonlSink(metrics_path), TerminalSink(total, trainer.step)]
     if tensorboard:
         try:
-            sinks.append(TensorBoardSink(out / "tensorboard"))
+            # On a resume the event files are rebuilt from metrics.jsonl (already cut back to the
+            # checkpoint), so steps that run again are not plotted twice.
+            history = read_jsonl(metrics_path) if resumed_from is not None and metrics_path.exists() else None
+            sinks.append(TensorBoardSink(out / "tensorboard", history=history))
         except Exception as e:
             log.warning("TensorBoard disabled: %s", e)
     logger = MetricsLogger(sinks)
@@ -179,7 +184,7 @@ def run_loop(
                     keep=spec.checkpoint.keep,
                 )
                 last_ckpt = trainer.step
-            m["data/prompts_drawn"] = float(trainer.prompts_drawn)
+            m.update(trainer.counters())
             clean = logger.log(trainer.step, m)
             pusher.push(
                 progress_from_metrics(trainer.step, total, clean, last_ckpt), force=trainer.step == total

@@ -1,14 +1,21 @@
 """The three mode drivers over any engine that speaks the rollout interface (in-process or a Ray actor).
 
 - ``SyncDriver``: generate -> reward -> old log-prob -> (ref) -> advantages -> update -> weight sync.
-- ``ColocateAsyncDriver``: trainer and rollout share devices. Sampling is over-subscribed; once a
-  batch's worth of groups is complete the rest is aborted (tokens kept), the update runs, weights are
-  pushed and the interrupted samples resume under the new weights, so no generated token is wasted.
+- ``ColocateAsyncDriver``: trainer and rollout share devices. Sampling is over-subscribed by
+  ``(1 + stalenessThreshold)``; once a batch's worth of groups is complete the rest is aborted
+  (tokens kept), the update runs, weights are pushed and the interrupted samples resume under the
+  new weights, so no generated token is wasted.
 - ``SeparateAsyncDriver``: dedicated rollout engines are kept fed by a rollouter thread that streams
   finished groups into a bounded :class:`ReplayBuffer`; the trainer pulls one mini-batch per update
-  and pushes weights every ``parameterSyncStep`` updates. Every sample carries the policy version
-  that started it; samples staler than ``stalenessThreshold`` are dropped, or (``stalePolicy: wait``)
-  the rollouter is throttled so they are not produced and the trainer waits for fresh ones.
+  and pushes weights every ``parameterSyncStep`` updates.
+
+``stalenessThreshold`` has verl's meaning in both async modes: per weights version the rollout
+starts at most ``(1 + threshold) x trainBatchSize`` groups counting those carried over from before,
+so at most a fraction ``threshold`` of each batch was started by an older policy, and no group is
+trained more than ``ceil(threshold)`` versions after it started (``staleness_bound``). A straggler
+that would break that bound is dropped (``stalePolicy: drop``) or waited for and trained in time
+(``wait``); drops are counted (``staleness/dropped_groups_total``). DAPO dynamic sampling runs in
+every mode: zero-variance groups are dropped as they complete and generation continues.
 """
 
 from __future__ import annotations
@@ -17,24 +24,92 @@ import logging
 import math
 import threading
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
-from rlkube.api import effective_async
-from rlkube.runtime.algos import DynamicSamplingBuffer
+from rlkube.api import RLJobSpec, effective_async
+from rlkube.runtime.algos import DynamicSamplingBuffer, DynamicSamplingExhaustedError
+from rlkube.runtime.errors import UserError
 from rlkube.runtime.rollout.base import Completion, RolloutRequest
 from rlkube.runtime.trainer.batch import Sample
 from rlkube.runtime.trainer.core import PromptRef, Trainer, sample_metrics
-from rlkube.runtime.trainer.replay import ReplayBuffer
+from rlkube.runtime.trainer.replay import ReplayBuffer, group_version
 
 log = logging.getLogger(__name__)
 
 
-def _groups(completions: Sequence[Completion]) -> dict[str, list[Completion]]:
-    out: dict[str, list[Completion]] = {}
-    for c in completions:
-        out.setdefault(c.request_id, []).append(c)
-    return out
+# Run-long counters in Trainer.totals (checkpointed; the run loop reports them every step).
+DS_DROPPED = "dynamic_sampling/dropped_groups_total"
+STALE_DROPPED = "staleness/dropped_groups_total"
+STALE_DROPPED_SAMPLES = "staleness/dropped_samples_total"
+ABORTED = "rollout/aborted_total"
+RESUMED = "rollout/resumed_total"
+
+
+def staleness_bound(threshold: float) -> int:
+    """Versions a group may lag behind the trainer: ``ceil(threshold)`` (0 on-policy, 0.5 -> 1)."""
+    return math.ceil(threshold - 1e-9)
+
+
+def group_capacity(threshold: float, batch_groups: int) -> int:
+    """Groups the rollout may start per weights version, carried-over ones included."""
+    return max(batch_groups, math.ceil((1.0 + threshold) * batch_groups - 1e-9))
+
+
+def stale_fraction(samples: Sequence[Sample], version: int) -> float:
+    """Share of samples started by an older policy than the one being updated (verl's fraction)."""
+    return sum(s.policy_version < version for s in samples) / max(len(samples), 1)
+
+
+class GroupFilter:
+    """DAPO dynamic sampling for groups that arrive one by one (the async modes).
+
+    A group whose scores are all equal is dropped (its GRPO advantages are all zero) and the rollout
+    keeps generating; a step that has dropped ``maxGenBatches x trainBatchSize`` groups gives up
+    with :class:`DynamicSamplingExhaustedError`, as the sync mode does after ``maxGenBatches``
+    generation batches.
+    """
+
+    def __init__(self, spec: RLJobSpec, totals: Counter[str]) -> None:
+        ds = spec.algorithm.dynamic_sampling
+        self.totals = totals
+        self.enabled = ds is not None and ds.enabled
+        self.batch = spec.training.train_batch_size
+        self.limit = (ds.max_gen_batches if ds is not None else 0) * self.batch
+        self.seen = 0  # groups judged this step
+        self.dropped = 0  # of which dropped this step
+        if self.enabled:
+            totals[DS_DROPPED] += 0  # reported from the first step on
+
+    def keep(self, group: Sequence[Sample]) -> bool:
+        if not self.enabled or not group:
+            return True
+        self.seen += 1
+        scores = [s.score for s in group]
+        if max(scores) > min(scores):
+            return True
+        self.dropped += 1
+        self.totals[DS_DROPPED] += 1
+        if 0 < self.limit <= self.dropped:
+            raise DynamicSamplingExhaustedError(
+                f"dynamic sampling dropped {self.dropped} zero-variance groups in one step "
+                f"(algorithm.dynamicSampling.maxGenBatches {self.limit // self.batch} x trainBatchSize "
+                f"{self.batch}): rewards are too uniform; raise maxGenBatches or make the task "
+                "harder/easier"
+            )
+        return False
+
+    def step_metrics(self) -> dict[str, float]:
+        """This step's counts (then reset); empty when dynamic sampling is off."""
+        if not self.enabled:
+            return {}
+        m = {
+            "dynamic_sampling/gen_batches": self.seen / self.batch,
+            "dynamic_sampling/dropped_groups": float(self.dropped),
+        }
+        self.seen = self.dropped = 0
+        return m
 
 
 class _Base:
@@ -153,6 +228,7 @@ class SyncDriver(_Base):
             import torch
 
             buf: DynamicSamplingBuffer[Sample] = DynamicSamplingBuffer(b, ds.max_gen_batches)
+            tr.totals[DS_DROPPED] += 0
             full = False
             while not full:
                 prompts = tr.next_prompts(b)
@@ -168,7 +244,13 @@ class SyncDriver(_Base):
                 )
                 extra["dynamic_sampling/gen_batches"] = float(buf.num_gen_batches)
                 extra["dynamic_sampling/dropped_groups"] = float(buf.num_dropped_groups)
+            tr.totals[DS_DROPPED] += buf.num_dropped_groups
             samples = [s for g in buf.take() for s in g]
+        if not samples:
+            raise UserError(
+                "every sample of the batch had a non-finite reward (data.nonFiniteReward: skip): "
+                f"check the reward function {spec.data.reward!r}"
+            )
         timing["gen"] = t_gen
         timing["reward"] = t_rew
         return samples, extra
@@ -197,25 +279,33 @@ class ColocateAsyncDriver(_Base):
     def __init__(self, trainer: Trainer, engines: Sequence[Any]) -> None:
         super().__init__(trainer, engines)
         a = effective_async(trainer.spec)
-        self.oversub = max(
-            1, math.ceil(trainer.spec.training.train_batch_size * (1.0 + a.staleness_threshold))
-        )
+        b = trainer.spec.training.train_batch_size
+        self.oversub = group_capacity(a.staleness_threshold, b)
         self.partial_rollout = a.partial_rollout
         self.threshold = a.staleness_threshold
-        self.max_stale = math.floor(a.staleness_threshold + 1e-9)
-        self.dropped_stale = 0
+        self.max_stale = staleness_bound(a.staleness_threshold)
+        self.filter = GroupFilter(trainer.spec, trainer.totals)
+        trainer.totals[STALE_DROPPED] += 0  # reported from the first step on
         self.refs: dict[str, PromptRef] = {}
+        self.started: dict[str, int] = {}  # request id -> weights version that started it
         self.done: dict[str, list[Completion]] = {}
         self.partials: list[Completion] = []
         self.carried: list[Sample] = []  # complete groups finished after the batch filled (next step)
 
-    def _top_up(self, engine: Any) -> None:
-        want = self.oversub - len(self.refs)
+    def _top_up(self, engine: Any, ready_groups: int) -> None:
+        """Start groups until in-flight + ready-to-train groups fill this version's budget."""
+        want = self.oversub - len(self.refs) - ready_groups
         if want > 0:
             prompts = self.tr.next_prompts(want)
             for p in prompts:
                 self.refs[f"p{p.index}"] = p
+                self.started[f"p{p.index}"] = self.tr.version
             engine.submit(self.tr.requests(prompts))
+
+    def _forget(self, rid: str) -> None:
+        self.refs.pop(rid, None)
+        self.started.pop(rid, None)
+        self.done.pop(rid, None)
 
     def step(self) -> dict[str, float]:
         tr = self.tr
@@ -225,21 +315,22 @@ class ColocateAsyncDriver(_Base):
         timing: dict[str, float] = {}
         t_step = time.perf_counter()
         t0 = time.perf_counter()
-        # Requests started too long ago cannot be trained on any more: drop them instead of finishing.
-        too_old = {c.request_id for c in self.partials if tr.version - c.policy_version > self.max_stale}
+        # Groups started too long ago cannot be trained on any more: drop them instead of finishing.
+        too_old = {
+            c.request_id for c in self.partials if tr.version - self.started[c.request_id] > self.max_stale
+        }
         too_old |= {s.group for s in self.carried if tr.version - s.policy_version > self.max_stale}
         for rid in too_old:
-            self.refs.pop(rid, None)
-            self.done.pop(rid, None)
-        self.dropped_stale += len(too_old)
+            self._forget(rid)
+        tr.totals[STALE_DROPPED] += len(too_old)
         self.partials = [c for c in self.partials if c.request_id not in too_old]
         if self.partials:
             eng.resume(self.partials)
             self.partials = []
-        self._top_up(eng)
         ready: list[Sample] = [s for s in self.carried if s.group not in too_old]
         self.carried = []
         ready_groups = len({s.group for s in ready})
+        self._top_up(eng, ready_groups)
         t_rew = 0.0
         while ready_groups < b:
             got = eng.poll()
@@ -250,23 +341,29 @@ class ColocateAsyncDriver(_Base):
                 self.done.setdefault(c.request_id, []).append(c)
             for rid in [r for r, cs in self.done.items() if len(cs) >= n]:
                 cs = self.done.pop(rid)
-                if tr.version - min(c.policy_version for c in cs) > self.max_stale:
-                    self.refs.pop(rid, None)
-                    self.dropped_stale += 1
+                if tr.version - self.started[rid] > self.max_stale:
+                    self._forget(rid)
+                    tr.totals[STALE_DROPPED] += 1
                     continue
                 t1 = time.perf_counter()
-                ready.extend(tr.score(cs, self.refs))
+                group = tr.score(cs, self.refs)
                 t_rew += time.perf_counter() - t1
-                self.refs.pop(rid, None)
-                ready_groups += 1
+                self._forget(rid)
+                if group and self.filter.keep(group):
+                    ready.extend(group)
+                    ready_groups += 1
+            self._top_up(eng, ready_groups)  # dropped groups (dynamic sampling, NaN rewards) are replaced
         # End of sampling: abort the rest, keep their tokens for after the update.
         aborted = eng.abort_all()
         timing["gen"] = time.perf_counter() - t0 - t_rew
         timing["reward"] = t_rew
-        groups = list(dict.fromkeys(s.group for s in ready))
-        use, spill = set(groups[:b]), set(groups[b:])
-        batch = [s for s in ready if s.group in use]
-        self.carried = [s for s in ready if s.group in spill]
+        # Train the groups started by the oldest policy first; the rest carry over.
+        by_group: dict[str, list[Sample]] = {}
+        for smp in ready:
+            by_group.setdefault(smp.group, []).append(smp)
+        order = sorted(by_group, key=lambda g: group_version(by_group[g]))
+        batch = [smp for g in order[:b] for smp in by_group[g]]
+        self.carried = [smp for g in order[b:] for smp in by_group[g]]
         finished = [c for c in aborted if c.finish_reason != "abort"]
         for c in finished:
             self.done.setdefault(c.request_id, []).append(c)
@@ -274,17 +371,17 @@ class ColocateAsyncDriver(_Base):
         if self.partial_rollout:
             self.partials = partial
         else:  # no partial rollout: drop the unfinished requests entirely
-            dropped = {c.request_id for c in partial}
-            for rid in dropped:
-                self.refs.pop(rid, None)
-                self.done.pop(rid, None)
+            for rid in {c.request_id for c in partial}:
+                self._forget(rid)
         version_used = tr.version
         m_train = tr.train(batch, timing)
         m = self._finish(batch, timing, m_train)
         m["staleness/mean"] = sum(version_used - s.policy_version for s in batch) / len(batch)
         m["staleness/max"] = float(max(version_used - s.policy_version for s in batch))
+        m["staleness/stale_fraction"] = stale_fraction(batch, version_used)
+        m["staleness/threshold"] = self.threshold
         m["rollout/aborted_samples"] = float(len(partial))
-        m["staleness/dropped_groups_total"] = float(self.dropped_stale)
+        m.update(self.filter.step_metrics())
         m.update(self.push_weights(timing))
         m["timing_s/update_weights"] = timing["update_weights"]
         step_s = time.perf_counter() - t_step
@@ -302,7 +399,15 @@ class ColocateAsyncDriver(_Base):
 
 
 class SeparateAsyncDriver(_Base):
-    """Dedicated rollout engines stream groups into a bounded replay buffer; the trainer pulls."""
+    """Dedicated rollout engines stream groups into a bounded replay buffer; the trainer pulls.
+
+    Admission (verl's ``staleness_threshold``): the rollouter starts a group only while groups in
+    flight + groups buffered + groups trained in this weights version < ``(1 + threshold) x
+    trainBatchSize``, so at a weight sync at most ``threshold x trainBatchSize`` groups carry over.
+    The trainer takes the oldest-started groups first. With ``stalePolicy: wait`` a pull waits for
+    in-flight groups that must be trained in this version to stay within ``ceil(threshold)``; with
+    ``drop`` such stragglers are dropped (at the sync if still generating, else at the next pull).
+    """
 
     def __init__(self, trainer: Trainer, engines: Sequence[Any], poll_interval_s: float = 0.02) -> None:
         super().__init__(trainer, engines)
@@ -313,35 +418,32 @@ class SeparateAsyncDriver(_Base):
         self.sync_every = a.parameter_sync_step
         self.b = spec.training.train_batch_size
         self.threshold = a.staleness_threshold
-        self.max_stale = math.floor(a.staleness_threshold + 1e-9)
-        capacity = max(self.mini, math.ceil((1.0 + a.staleness_threshold) * self.b))
-        self.buffer = ReplayBuffer(capacity)
+        self.max_stale = staleness_bound(a.staleness_threshold)
+        self.buffer = ReplayBuffer(max(self.mini, group_capacity(a.staleness_threshold, self.b)))
+        self.filter = GroupFilter(spec, trainer.totals)
         self.poll_interval_s = poll_interval_s
-        self.updates_since_sync = 0
         self.refs: dict[str, PromptRef] = {}
-        self.owner: dict[str, int] = {}  # request id -> engine index
+        self.started: dict[str, int] = {}  # request id -> weights version that started it
         self.done: dict[str, list[Completion]] = {}
-        self.issued_in_version = 0
         self.consumed_in_version = 0
         self.lock = threading.Condition()
         self.paused = False
-        self._idle = 0.0
-        self._busy_since = time.perf_counter()
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
-        self.stats = {"dropped_stale": 0, "aborted": 0, "resumed": 0}
+        self.totals = trainer.totals
+        for key in (STALE_DROPPED, STALE_DROPPED_SAMPLES, ABORTED, RESUMED):
+            self.totals[key] += 0  # reported from the first step on
 
     # -- rollouter ---------------------------------------------------------------------------
     def _may_issue(self) -> bool:
         outstanding = len(self.refs) + len(self.buffer)
-        if outstanding >= self.buffer.capacity:
-            return False
-        if self.a.stale_policy == "wait":
-            # A group issued now is consumed about (outstanding + consumed this version) / batch
-            # versions later: issue only what will be trained on within the threshold.
-            return outstanding + self.consumed_in_version < (self.max_stale + 1) * self.b
-        return True
+        return outstanding + self.consumed_in_version < self.buffer.capacity
+
+    def _forget(self, rid: str) -> None:
+        self.refs.pop(rid, None)
+        self.started.pop(rid, None)
+        self.done.pop(rid, None)
 
     def _rollouter(self) -> None:
         tr = self.tr
@@ -357,10 +459,8 @@ class SeparateAsyncDriver(_Base):
                         (p,) = tr.next_prompts(1)
                         rid = f"p{p.index}"
                         self.refs[rid] = p
-                        k = p.index % len(self.engines)
-                        self.owner[rid] = k
-                        self.engines[k].submit(tr.requests([p]))
-                        self.issued_in_version += 1
+                        self.started[rid] = tr.version
+                        self.engines[p.index % len(self.engines)].submit(tr.requests([p]))
                     got: list[Completion] = []
                     for e in self.engines:
                         got.extend(e.poll())
@@ -368,10 +468,10 @@ class SeparateAsyncDriver(_Base):
                         self.done.setdefault(c.request_id, []).append(c)
                     for rid in [r for r, cs in self.done.items() if len(cs) >= n]:
                         cs = self.done.pop(rid)
-                        samples = tr.score(cs, self.refs)
-                        self.refs.pop(rid, None)
-                        self.owner.pop(rid, None)
-                        self.buffer.put(samples)
+                        group = tr.score(cs, self.refs)
+                        self._forget(rid)
+                        if self.filter.keep(group):
+                            self.buffer.put(group)
                     self.lock.notify_all()
                 time.sleep(self.poll_interval_s)
         except BaseException as exc:
@@ -385,16 +485,30 @@ class SeparateAsyncDriver(_Base):
         self._thread.start()
 
     # -- trainer side ------------------------------------------------------------------------
+    def _must_wait_for_stragglers(self) -> bool:
+        """``wait``: taking a mini-batch now would leave no room in this version for in-flight
+        groups that are already ``ceil(threshold)`` versions old (they could never be trained)."""
+        v = self.tr.version
+        late = sum(1 for rid in self.refs if v - self.started[rid] >= self.max_stale)
+        if late == 0:
+            return False
+        room_after = self.b - self.consumed_in_version - self.mini
+        late_buffered_left = max(0, self.buffer.count_at_least_stale(v, self.max_stale) - self.mini)
+        return late + late_buffered_left > room_after
+
     def _pull_mini(self, timing: dict[str, float]) -> list[Sample]:
-        """``miniBatchSize`` fresh groups from the buffer; stale ones are dropped."""
+        """``miniBatchSize`` groups from the buffer, oldest-started first; stale ones are dropped."""
         t0 = time.perf_counter()
         with self.lock:
             while True:
                 if self._error is not None:
-                    raise RuntimeError("rollouter failed") from self._error
-                dropped = self.buffer.drop_stale(self.tr.version, self.max_stale)
-                self.stats["dropped_stale"] += dropped
-                if self.buffer.num_groups() >= self.mini:
+                    raise self._error
+                for g in self.buffer.drop_stale(self.tr.version, self.max_stale):
+                    self.totals[STALE_DROPPED] += 1
+                    self.totals[STALE_DROPPED_SAMPLES] += len(g)
+                if self.buffer.num_groups() >= self.mini and not (
+                    self.a.stale_policy == "wait" and self._must_wait_for_stragglers()
+                ):
                     groups = self.buffer.take(self.mini)
                     self.consumed_in_version += len(groups)
                     break
@@ -414,19 +528,24 @@ class SeparateAsyncDriver(_Base):
                     else:
                         self.done.setdefault(c.request_id, []).append(c)
             m = self.push_weights(timing)
+            v = self.tr.version  # the new version
             n_partial = sum(len(v) for v in partials.values())
-            self.stats["aborted"] += n_partial
-            if self.a.partial_rollout:
-                for k, cs in partials.items():
-                    self.engines[k].resume(cs)
-                self.stats["resumed"] += n_partial
-            else:
-                for cs in partials.values():
-                    for c in cs:
-                        self.refs.pop(c.request_id, None)
-                        self.owner.pop(c.request_id, None)
-                        self.done.pop(c.request_id, None)
-            self.issued_in_version = 0
+            self.totals[ABORTED] += n_partial
+            # In-flight groups the new version makes too old can never be trained: stop them now.
+            too_old = {rid for rid, s in self.started.items() if v - s > self.max_stale}
+            for rid in too_old:
+                self.totals[STALE_DROPPED] += 1
+                self.totals[STALE_DROPPED_SAMPLES] += self.tr.spec.algorithm.group_size
+                self._forget(rid)
+            for k, cs in partials.items():
+                keep = [c for c in cs if c.request_id not in too_old]
+                if self.a.partial_rollout:
+                    if keep:
+                        self.engines[k].resume(keep)
+                    self.totals[RESUMED] += len(keep)
+                else:
+                    for c in keep:
+                        self._forget(c.request_id)
             self.consumed_in_version = 0
             self.paused = False
             self.lock.notify_all()
@@ -449,16 +568,17 @@ class SeparateAsyncDriver(_Base):
         m = self._finish(used, timing, metrics)
         m["staleness/mean"] = sum(stale) / len(stale)
         m["staleness/max"] = float(max(stale))
+        m["staleness/stale_fraction"] = stale_fraction(used, tr.version)
+        with self.lock:
+            m.update(self.filter.step_metrics())
         m.update(self._sync(timing))
         m["timing_s/update_weights"] = timing["update_weights"]
         m["timing_s/wait_rollout"] = timing["wait"]
         step_s = time.perf_counter() - t_step
         m["timing_s/step"] = step_s
         m["perf/trainer_idle_ratio"] = timing["wait"] / step_s
-        m["staleness/dropped_total"] = float(self.stats["dropped_stale"])
-        m["rollout/aborted_total"] = float(self.stats["aborted"])
-        m["rollout/resumed_total"] = float(self.stats["resumed"])
         m["replay/size_groups"] = float(self.buffer.num_groups())
+        m["replay/capacity_groups"] = float(self.buffer.capacity)
         m["staleness/threshold"] = self.threshold
         return m
 

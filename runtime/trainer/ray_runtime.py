@@ -48,17 +48,28 @@ def _threads() -> None:
     import torch
 
     torch.set_num_threads(int(os.environ.get("RLKUBE_TORCH_THREADS", "1")))
+    from rlkube.runtime.train import configure_logging
+
+    configure_logging()  # an actor's INFO lines (resume, fallbacks) reach the driver's terminal
 
 
 class RolloutWorker:
-    """A rollout engine in its own Ray actor (the rollout interface, one method per call)."""
+    """A rollout engine in its own Ray actor (the rollout interface, one method per call).
+
+    The engine is built in ``start``, not ``__init__``: Ray keeps the exception of a failed method
+    (a UserError reaches ``rlkube-train`` as one line) but only the text of a failed constructor.
+    """
 
     def __init__(self, job: RLJob) -> None:
         _scrub_sys_path()
         _threads()
+        self.job = job
+        self.engine: Any = None
+
+    def start(self) -> None:
         from rlkube.runtime.trainer.engines import build_engine
 
-        self.engine = build_engine(job.spec)
+        self.engine = build_engine(self.job.spec)
 
     def generate(self, requests: list[Any]) -> list[Any]:
         return list(self.engine.generate(requests))
@@ -85,7 +96,8 @@ class RolloutWorker:
         return os.getpid()
 
     def shutdown(self) -> None:
-        self.engine.shutdown()
+        if self.engine is not None:
+            self.engine.shutdown()
 
 
 class TrainerWorker:
@@ -94,10 +106,15 @@ class TrainerWorker:
     def __init__(self, job: RLJob, device: str | None = None) -> None:
         _scrub_sys_path()
         _threads()
+        self.job = job
+        self.device = device
+        self.trainer: Any = None
+
+    def start(self) -> None:
+        """Load model, data and reward (in a method, so a user error keeps its type through Ray)."""
         from rlkube.runtime.trainer.core import Trainer
 
-        self.job = job
-        self.trainer = Trainer(job, device=device)
+        self.trainer = Trainer(self.job, device=self.device)
 
     def pid(self) -> int:
         return os.getpid()
@@ -223,6 +240,7 @@ def run_on_ray(
         actors.extend(rollouts)
         trainer: Any = ray.remote(TrainerWorker).options(max_concurrency=1, **t_opts).remote(job, device)
         actors.append(trainer)
+        ray.get([a.start.remote() for a in actors], timeout=timeout_s)
         res = ray.get(trainer.run.remote(rollouts, str(out), max_steps), timeout=timeout_s)
         for r in rollouts:
             ray.get(r.shutdown.remote(), timeout=60)

@@ -7,11 +7,18 @@ from collections import deque
 from rlkube.runtime.trainer.batch import Sample
 
 
+def group_version(group: list[Sample]) -> int:
+    """The version that started a group: its oldest sample's (staleness is counted from there)."""
+    return min(s.policy_version for s in group)
+
+
 class ReplayBuffer:
-    """FIFO of groups (all samples of one prompt), at most ``capacity`` groups.
+    """Groups (all samples of one prompt) waiting to be trained on, at most ``capacity`` of them.
 
     ``put`` never blocks: the rollouter checks ``len`` before issuing work, so the bound is enforced
-    at admission (a group already generated is never thrown away for lack of room).
+    at admission (a group already generated is never thrown away for lack of room). ``take`` hands
+    out the groups started by the oldest policy first (first come first within a version), so
+    carried-over groups are trained before they can grow staler.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -31,18 +38,26 @@ class ReplayBuffer:
             self._q.append(list(group))
 
     def take(self, n: int) -> list[list[Sample]]:
-        """The ``n`` oldest groups."""
+        """The ``n`` groups started by the oldest policies (FIFO among equals)."""
         if n > len(self._q):
             raise ValueError(f"buffer holds {len(self._q)} groups, asked for {n}")
-        return [self._q.popleft() for _ in range(n)]
+        order = sorted(range(len(self._q)), key=lambda i: group_version(self._q[i]))
+        chosen = set(order[:n])
+        out = [self._q[i] for i in order[:n]]
+        self._q = deque(g for i, g in enumerate(self._q) if i not in chosen)
+        return out
 
-    def drop_stale(self, version: int, max_staleness: int) -> int:
-        """Remove groups whose oldest sample is more than ``max_staleness`` versions behind; count samples."""
+    def count_at_least_stale(self, version: int, staleness: int) -> int:
+        """Groups that are already ``staleness`` (or more) versions behind ``version``."""
+        return sum(1 for g in self._q if version - group_version(g) >= staleness)
+
+    def drop_stale(self, version: int, max_staleness: int) -> list[list[Sample]]:
+        """Remove and return the groups whose oldest sample is more than ``max_staleness`` behind."""
         keep: deque[list[Sample]] = deque()
-        dropped = 0
+        dropped = []
         for g in self._q:
-            if max(version - s.policy_version for s in g) > max_staleness:
-                dropped += len(g)
+            if version - group_version(g) > max_staleness:
+                dropped.append(g)
             else:
                 keep.append(g)
         self._q = keep

@@ -6,7 +6,7 @@ import subprocess
 import time
 from pathlib import Path
 
-BUILD = Path(__file__).resolve().parent / "tools" / "build.sh"
+BUILD = Path(__file__).resolve().parents[2] / "devcluster" / "tools" / "build.sh"
 
 
 def test_build_with_warm_cache_takes_seconds_and_reports_cached() -> None:

@@ -30,7 +30,7 @@ def test_cli_down_stops_every_process_and_closes_every_port(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     state_dir = tmp_path / "dc"
-    cluster = DevCluster(state_dir, ClusterConfig(gpu_nodes=1, cpu_nodes=0, timeout_s=120))
+    cluster = DevCluster(state_dir, ClusterConfig(gpu_nodes=1, cpu_nodes=0, timeout_s=120, real_node="off"))
     state = cluster.up()
     try:
         pids = [c["pid"] for c in state["components"]]
@@ -99,7 +99,9 @@ def test_cli_down_stops_every_process_and_closes_every_port(
 
 
 def test_component_crashing_at_start_is_reported_with_its_log_not_a_hang(tmp_path: Path) -> None:
-    config = ClusterConfig(gpu_nodes=1, cpu_nodes=0, timeout_s=60, extra_args={"etcd": ["--no-such-flag"]})
+    config = ClusterConfig(
+        gpu_nodes=1, cpu_nodes=0, timeout_s=60, real_node="off", extra_args={"etcd": ["--no-such-flag"]}
+    )
     cluster = DevCluster(tmp_path / "dc", config)
     start = time.monotonic()
     with pytest.raises(DevClusterError) as err:
@@ -110,3 +112,40 @@ def test_component_crashing_at_start_is_reported_with_its_log_not_a_hang(tmp_pat
     assert "no-such-flag" in message, message
     assert cluster.read_state() is None
     assert not cluster.healthy()
+
+
+def test_cli_up_with_no_nodes_and_no_kuberay_starts_a_bare_control_plane(tmp_path: Path) -> None:
+    """`up --nodes 0 --cpu-nodes 0 --no-kuberay` has nothing to post: it used to crash with
+    `max_workers must be greater than 0`."""
+    state_dir = tmp_path / "bare"
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}
+    argv = [*CLI, "--state-dir", str(state_dir)]
+    try:
+        up = subprocess.run(
+            [
+                *argv,
+                "up",
+                "--nodes",
+                "0",
+                "--cpu-nodes",
+                "0",
+                "--no-kuberay",
+                "--real-node",
+                "off",
+                "--timeout",
+                "120",
+            ],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
+        assert up.returncode == 0, up.stderr[-3000:]
+        assert "max_workers" not in up.stderr
+        kubectl = Kubectl(state_dir / "kubeconfig")
+        assert kubectl("get", "nodes", "-o", "name").stdout.split() == []
+        crds = kubectl("get", "crd", "-o", "name").stdout.split()
+        assert not [c for c in crds if "ray.io" in c]
+    finally:
+        subprocess.run([*argv, "down"], capture_output=True, env=env, timeout=120)
+    assert not (state_dir / "state.json").exists()

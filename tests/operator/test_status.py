@@ -129,6 +129,107 @@ def test_image_pull_beats_scheduling_and_names_the_container() -> None:
     assert 'Back-off pulling image "nope:1"' in d.message and "ray-worker" in d.message
 
 
+def test_image_pull_retries_are_one_reason_with_the_pulls_own_error() -> None:
+    """The kubelet flips ErrImagePull <-> ImagePullBackOff on every retry; the RLJob does not."""
+    err = 'failed to pull and unpack image "docker.io/rlkube/nope:0": connection refused'
+
+    def derived(waiting: dict[str, str]) -> Any:
+        cs = [{"name": "ray-head", "image": "rlkube/nope:0", "state": {"waiting": waiting}}]
+        o = obs(
+            ray_job=ray_job(),
+            ray_cluster=cluster(),
+            pods=[pod("h", "head", ready=False, containerStatuses=cs)],
+        )
+        return derive(o, now=NOW)
+
+    first = derived({"reason": "ErrImagePull", "message": err})
+    backoff = derived(
+        {
+            "reason": "ImagePullBackOff",
+            "message": f'Back-off pulling image "rlkube/nope:0": ErrImagePull: {err}',
+        }
+    )
+    assert first.reason == backoff.reason == "ImagePullBackOff"
+    assert (
+        first.message == backoff.message
+        and err in first.message
+        and "pod h container ray-head" in first.message
+    )
+    assert not transitions(first.to_status(), backoff), "a retry of the same pull posts no Event"
+
+
+def test_a_crash_loop_keeps_one_reason_between_restarts() -> None:
+    """While it waits and while it briefly runs again, a restarting container is one CrashLoopBackOff."""
+    term = {"lastState": {"terminated": {"exitCode": 1, "reason": "Error"}}}
+    waiting = {
+        "waiting": {"reason": "CrashLoopBackOff", "message": "back-off 40s restarting failed container"}
+    }
+
+    def derived(state: dict[str, Any], restarts: int) -> Any:
+        cs = [{"name": "ray-worker", "restartCount": restarts, "ready": False, "state": state, **term}]
+        pods = [pod("h", "head"), pod("w", ready=False, containerStatuses=cs)]
+        return derive(obs(ray_job=ray_job(), ray_cluster=cluster(), pods=pods), now=NOW)
+
+    looping, running = derived(waiting, 3), derived({"running": {}}, 4)
+    assert looping.reason == running.reason == "CrashLoopBackOff"
+    assert "restarted 3 times (last exit code 1, reason Error)" in looping.message
+    assert "back-off" not in looping.message
+    assert not transitions(looping.to_status(), running), "a restart of the same loop posts no Event"
+
+
+def test_oomkilled_container_names_the_limit_and_the_field_to_raise() -> None:
+    cs = [
+        {
+            "name": "ray-worker",
+            "restartCount": 2,
+            "state": {"running": {}},
+            "lastState": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}},
+        }
+    ]
+    worker = pod("w", ready=False, containerStatuses=cs)
+    worker["metadata"]["labels"]["rlkube.io/group"] = "actor"
+    worker["spec"] = {"containers": [{"name": "ray-worker", "resources": {"limits": {"memory": "300Mi"}}}]}
+    d = derive(obs(ray_job=ray_job(), ray_cluster=cluster(), pods=[pod("h", "head"), worker]), now=NOW)
+    assert (d.phase, d.reason) == ("Provisioning", "OOMKilled")
+    assert "pod w container ray-worker" in d.message and "300Mi" in d.message
+    assert "raise spec.trainer.memory" in d.message
+    assert [t.type for t in transitions(None, d) if t.reason == "OOMKilled"] == ["Warning"]
+
+
+def test_entrypoint_crash_fails_with_the_drivers_own_error_line() -> None:
+    error = "ImportError: custom reward 'nope:f': cannot import module 'nope' (No module named 'nope')"
+    trace = ["Traceback (most recent call last):", '  File "x.py", line 1, in <module>', error]
+    logs = "\n".join(["INFO starting", *trace, "", "---------------------------------------"])
+    head = "Job entrypoint command failed with exit code 1, last available logs (truncated to 20,000 chars)"
+    msg = f"{head}:\n{logs}"
+    d = derive(obs(ray_job=ray_job("Complete", "FAILED", message=msg), ray_cluster=cluster()), now=NOW)
+    assert (d.phase, d.reason) == ("Failed", "EntrypointFailed")
+    assert d.message == (
+        "rlkube-train exited with code 1: ImportError: custom reward 'nope:f': cannot import module 'nope' "
+        "(No module named 'nope')"
+    )
+    killed_msg = msg.replace("code 1", "code -9").replace(logs, "x")
+    killed = derive(
+        obs(ray_job=ray_job("Complete", "FAILED", message=killed_msg), ray_cluster=cluster()), now=NOW
+    )
+    assert killed.reason == "EntrypointFailed" and "spec.head.memory" in killed.message
+
+
+def test_failed_job_with_an_oomkilled_pod_or_rays_oom_error_says_oomkilled() -> None:
+    cs = [{"name": "ray-head", "state": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}}}]
+    head = pod("h", "head", ready=False, containerStatuses=cs)
+    d = derive(obs(ray_job=ray_job("Failed", "FAILED", message="the job failed"), pods=[head]), now=NOW)
+    assert (d.phase, d.reason) == ("Failed", "OOMKilled") and "pod h container ray-head" in d.message
+    ray_oom = "ray.exceptions.OutOfMemoryError: Task was killed due to the node running low on memory."
+    d = derive(obs(ray_job=ray_job("Complete", "FAILED", message=ray_oom)), now=NOW)
+    assert (d.phase, d.reason) == ("Failed", "OOMKilled") and "OutOfMemoryError" in d.message
+
+
+def test_failed_message_is_clipped() -> None:
+    d = derive(obs(ray_job=ray_job("Failed", "FAILED", message="x" * 5000)), now=NOW)
+    assert d.phase == "Failed" and len(d.message) <= 1000
+
+
 def test_crash_loop_reports_exit_code_and_restarts() -> None:
     cs = [
         {
@@ -146,7 +247,7 @@ def test_crash_loop_reports_exit_code_and_restarts() -> None:
         ),
         now=NOW,
     )
-    assert d.reason == "CrashLoopBackOff"
+    assert d.reason == "OOMKilled"  # more specific than the crash loop it causes
     assert "137" in d.message and "OOMKilled" in d.message and "5 times" in d.message
 
 
@@ -300,3 +401,22 @@ def test_no_events_when_nothing_changed_and_one_per_change() -> None:
 def test_status_patch_never_carries_progress() -> None:
     d = derive(obs(), now=NOW)
     assert "progress" not in d.to_status()
+
+
+def test_the_operators_pod_cache_keeps_the_memory_limit_an_oom_message_names() -> None:
+    from rlkube.operator.cache import slim_pod
+
+    cs = {
+        "name": "ray-head",
+        "restartCount": 1,
+        "lastState": {"terminated": {"exitCode": 137, "reason": "OOMKilled"}},
+    }
+    full = pod("h", "head", ready=False, containerStatuses=[cs])
+    full["metadata"]["labels"]["rlkube.io/group"] = "head"
+    full["spec"] = {
+        "containers": [
+            {"name": "ray-head", "image": "x", "resources": {"limits": {"cpu": "1", "memory": "500Mi"}}}
+        ]
+    }
+    d = derive(obs(ray_job=ray_job(), ray_cluster=cluster(), pods=[slim_pod(full)]), now=NOW)
+    assert d.reason == "OOMKilled" and "memory limit 500Mi" in d.message and "spec.head.memory" in d.message

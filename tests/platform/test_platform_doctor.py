@@ -65,8 +65,11 @@ def codes(report: dict[str, Any]) -> set[str]:
 
 
 def test_cpu_machine_is_healthy_and_report_has_every_section(tmp_path: Path) -> None:
-    rc, rep = doctor(tmp_path)
+    # A 1 GiB vLLM KV cache fits this machine whatever else runs on it (the default sizing, 0.6 of
+    # the RAM, depends on the load of the moment and would be a warning when it does not fit).
+    rc, rep = doctor(tmp_path, extra_env={"VLLM_CPU_KVCACHE_SPACE": "1"})
     assert rc == 0 and rep["ok"] is True and rep["problems"] == []
+    assert rep["vllm_cpu"]["source"] == "defaults" and rep["vllm_cpu"]["problem"] is None
     assert rep["platform"]["name"] == "cpu" and rep["platform"]["communication_backend"] == "gloo"
     assert set(rep["platform"]["probes"]) == {"amd", "nvidia", "cpu"}
     assert set(rep["devices"]) == {"torch", "amdsmi", "rocm_smi", "nvidia_smi", "ray"}
@@ -119,3 +122,13 @@ def test_ray_reporting_zero_gpus_is_diagnosed(tmp_path: Path) -> None:
     rc, rep = doctor(tmp_path, "--ray-local", torch_gpus=8, amdsmi_gpus=8, extra_env=NOSET)
     assert rep["devices"]["ray"]["checked"] and rep["devices"]["ray"]["gpus"] == 0.0
     assert rc == 1 and codes(rep) == {"RAY_ZERO_GPUS"}
+
+
+def test_forcing_amd_on_a_machine_without_gpus_says_none_were_found(tmp_path: Path) -> None:
+    rc, rep = doctor(tmp_path, extra_env={"RLKUBE_PLATFORM": "amd"})
+    assert rc == 1 and rep["platform"]["name"] == "amd" and rep["platform"]["forced"]
+    forced = next(p for p in rep["problems"] if p["code"] == "FORCED_NO_GPUS")
+    assert "no amd GPU was found" in forced["message"] and "unset RLKUBE_PLATFORM" in forced["fix"]
+    assert not [p for p in rep["problems"] if "GPUs found" in p["message"]], rep["problems"]
+    rc, out = doctor(tmp_path, "--text", extra_env={"RLKUBE_PLATFORM": "amd"})
+    assert "ERROR FORCED_NO_GPUS" in out and "AMD GPUs found" not in out

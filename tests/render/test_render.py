@@ -385,3 +385,28 @@ def test_no_rljob_can_be_named_after_another_ones_hashed_rayjob() -> None:
     assert ray_job_name("col-a-392f9a72") == "col-a-392f9a72"  # 8 hex is no hash of ours: kept as is
     names = ["col.a", "col-a", hashed, "col..a", "col-a.b", "9col", "r-9col"]
     assert len({ray_job_name(n) for n in names}) == len(names)
+
+
+def test_cpu_overcommit_and_head_placement_reach_the_submitter_too() -> None:
+    """A small shared node: requests at a fraction of the limits (Ray still sees the limit as its
+    CPUs), and KubeRay's submitter pod goes where the head goes, with small requests of its own."""
+    toleration = {"key": "rlkube.io/real-node", "operator": "Exists", "effect": "NoSchedule"}
+    defaults = RenderDefaults.model_validate(
+        {"cpuRequestPercent": 25, "headNodeSelector": {"pool": "cpu"}, "headTolerations": [toleration]}
+    )
+    ch = render(cpu(), defaults)
+    head = cluster(ch)["headGroupSpec"]
+    res = head["template"]["spec"]["containers"][0]["resources"]
+    cpus = int(res["limits"]["cpu"])
+    assert res["requests"]["cpu"] == f"{cpus * 250}m" and head["rayStartParams"]["num-cpus"] == str(cpus)
+    for group in groups(ch).values():
+        r = group["template"]["spec"]["containers"][0]["resources"]
+        assert r["requests"]["cpu"] == f"{int(r['limits']['cpu']) * 250}m"
+    assert head["template"]["spec"]["tolerations"] == [toleration]
+    sub = ch.ray_job["spec"]["submitterPodTemplate"]["spec"]
+    assert sub["nodeSelector"] == {"pool": "cpu"} and sub["tolerations"] == [toleration]
+    assert sub["restartPolicy"] == "Never"
+    assert sub["containers"][0]["image"] == head["template"]["spec"]["containers"][0]["image"]
+    # Without the admin setting, requests equal limits (no overcommit).
+    plain = cluster(render(cpu()))["headGroupSpec"]["template"]["spec"]["containers"][0]["resources"]
+    assert plain["requests"]["cpu"] == plain["limits"]["cpu"]

@@ -88,10 +88,20 @@ def test_replay_buffer_drops_groups_past_the_threshold() -> None:
     buf.put([_sample([1], [2], "a", version=0)] * 2)
     buf.put([_sample([1], [2], "b", version=1), _sample([1], [2], "b", version=2)])
     buf.put([_sample([1], [2], "c", version=2)])
-    assert buf.drop_stale(version=2, max_staleness=1) == 2  # group a is 2 versions behind
+    dropped = buf.drop_stale(version=2, max_staleness=1)  # group a is 2 versions behind
+    assert [g[0].group for g in dropped] == ["a"] and len(dropped[0]) == 2
     assert [g[0].group for g in buf.groups()] == ["b", "c"]
-    assert buf.drop_stale(version=3, max_staleness=1) == 2  # b's oldest sample is now 2 behind
+    assert [g[0].group for g in buf.drop_stale(version=3, max_staleness=1)] == ["b"]  # oldest sample counts
     assert [g[0].group for g in buf.take(1)] == ["c"] and len(buf) == 0
+
+
+def test_replay_buffer_hands_out_the_oldest_policy_first() -> None:
+    buf = ReplayBuffer(8)
+    for name, v in (("new1", 2), ("old", 1), ("new2", 2), ("older", 0)):
+        buf.put([_sample([1], [2], name, version=v)])
+    assert buf.count_at_least_stale(version=2, staleness=1) == 2
+    assert [g[0].group for g in buf.take(3)] == ["older", "old", "new1"]
+    assert [g[0].group for g in buf.groups()] == ["new2"]
 
 
 def test_checkpoints_are_atomic_and_pruned(tmp_path: Path) -> None:
