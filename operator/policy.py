@@ -49,7 +49,11 @@ class HostPathPolicy(_Model):
     paths: list[str] = Field(
         default_factory=list, description="Allowed node directories; a mount may name one or a path below it."
     )
-    allow_writable: bool = Field(default=False, description="Allow hostPath mounts with readOnly: false.")
+    writable_paths: list[str] = Field(
+        default_factory=list,
+        description="Node directories a mount may write to (readOnly: false): at or below one of these, "
+        "which must also be allowed by paths. Default: none (every hostPath mount read-only).",
+    )
 
 
 class Policy(_Model):
@@ -327,18 +331,19 @@ def _host_path_paths(spec: RLJobSpec, pol: Policy, scope: str) -> str | None:
 
 
 def _host_path_writable(spec: RLJobSpec, pol: Policy, scope: str) -> str | None:
-    if not pol.host_path.enabled or pol.host_path.allow_writable:
+    if not pol.host_path.enabled:
         return None
     for m in spec.mounts:
-        if m.host_path is not None and not m.read_only:
-            return _refusal(
-                f"spec.mounts[{m.name}].readOnly",
-                "a writable node directory",
-                "hostPath.allowWritable",
-                scope,
-                None,
-                "set readOnly: true",
-            )
+        if m.host_path is None or m.read_only or host_path_allowed(pol.host_path.writable_paths, m.host_path):
+            continue
+        return _refusal(
+            f"spec.mounts[{m.name}].readOnly",
+            f'a writable node directory "{m.host_path}"',
+            "hostPath.writablePaths",
+            scope,
+            listing(pol.host_path.writable_paths),
+            "set readOnly: true, or " + _ADMIN_FIX,
+        )
     return None
 
 
@@ -353,6 +358,10 @@ _HOST_OK = (
     "variables.hostPathPaths.exists(a, m.hostPath == a || m.hostPath.startsWith(a + '/')))"
 )
 _RO = "(!has(m.readOnly) || m.readOnly)"
+_WRITE_OK = (
+    "(m.hostPath.startsWith('/') && !m.hostPath.matches('" + _DOTDOT_CEL + "') && "
+    "variables.hostPathWritablePaths.exists(a, m.hostPath == a || m.hostPath.startsWith(a + '/')))"
+)
 
 RULES: list[PolicyRule] = [
     PolicyRule(
@@ -475,16 +484,16 @@ RULES: list[PolicyRule] = [
         ),
     ),
     PolicyRule(
-        "hostPath.allowWritable",
+        "hostPath.writablePaths",
         _host_path_writable,
-        f"!variables.hostPathEnabled || variables.hostPathAllowWritable || "
-        f"{_MOUNTS}.all(m, !has(m.hostPath) || {_RO})",
+        f"!variables.hostPathEnabled || {_MOUNTS}.all(m, !has(m.hostPath) || {_RO} || {_WRITE_OK})",
         _refusal_cel(
-            f"'spec.mounts[' + {_MOUNTS}.filter(m, has(m.hostPath) && !{_RO})[0].name + '].readOnly'",
-            "'a writable node directory'",
-            "hostPath.allowWritable",
-            "set readOnly: true",
-            switch=True,
+            f"'spec.mounts[' + {_MOUNTS}.filter(m, has(m.hostPath) && !{_RO} && !{_WRITE_OK})[0].name + "
+            "'].readOnly'",
+            f"'a writable node directory \"' + {_MOUNTS}.filter(m, has(m.hostPath) && !{_RO} && "
+            f"!{_WRITE_OK})[0].hostPath + '\"'",
+            "hostPath.writablePaths",
+            "set readOnly: true, or " + _ADMIN_FIX,
         ),
     ),
 ]

@@ -176,9 +176,30 @@ def test_policy_values_reach_the_operator_and_the_admission_policy_alike() -> No
     }
     assert variables["serviceAccountsExact"] == '["trainer"]' and variables["hostPathEnabled"] == "true"
     assert variables["scope"] == '"namespaces.team-a"'
-    binds = {d["metadata"]["name"]: d for d in of_kind(docs, "ValidatingAdmissionPolicyBinding")}
-    sel = binds["r-rlkube-rljob-policy"]["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"]
-    assert sel == [{"key": "kubernetes.io/metadata.name", "operator": "NotIn", "values": ["team-a"]}]
+
+    def selector(docs: list[dict[str, Any]], name: str) -> Any:
+        binds = {d["metadata"]["name"]: d for d in of_kind(docs, "ValidatingAdmissionPolicyBinding")}
+        return binds[name]["spec"]["matchResources"]["namespaceSelector"]["matchExpressions"]
+
+    # The default policy covers the namespaces this release serves and no others (namespaced mode: the
+    # watched ones; cluster mode: all), less those with their own policy.
+    name = "kubernetes.io/metadata.name"
+    assert selector(docs, "r-rlkube-rljob-policy") == [{"key": name, "operator": "In", "values": ["default"]}]
+    assert selector(docs, "r-rlkube-rljob-policy-team-a") == [
+        {"key": name, "operator": "In", "values": ["team-a"]}
+    ]
+    served = render({**POLICY_TEAM_A, "watchNamespaces": "{team-a,team-b}"})
+    assert selector(served, "r-rlkube-rljob-policy") == [
+        {"key": name, "operator": "In", "values": ["team-b"]}
+    ]
+    only_team_a = render({**POLICY_TEAM_A, "watchNamespaces": "{team-a}"})
+    assert "r-rlkube-rljob-policy" not in {
+        d["metadata"]["name"] for d in of_kind(only_team_a, "ValidatingAdmissionPolicy")
+    }
+    everywhere = render({**CLUSTER, **POLICY_TEAM_A})
+    assert selector(everywhere, "r-rlkube-rljob-policy") == [
+        {"key": name, "operator": "NotIn", "values": ["team-a"]}
+    ]
 
 
 def test_runtime_defaults_values_reach_the_renderer(tmp_path: Path) -> None:

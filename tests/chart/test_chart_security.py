@@ -112,15 +112,21 @@ DIFFERENTIAL: list[tuple[str, dict[str, Any]]] = [
     ("host-data-rw", {"mounts": [{"name": "d", "mountPath": "/d", "hostPath": "/data", "readOnly": False}]}),
     ("host-escape", {"mounts": [{"name": "d", "mountPath": "/d", "hostPath": "/data/../etc"}]}),
     ("host-prefix", {"mounts": [{"name": "d", "mountPath": "/d", "hostPath": "/database"}]}),
+    (
+        "host-out-rw",
+        {"mounts": [{"name": "o", "mountPath": "/o", "hostPath": "/data/out/1", "readOnly": False}]},
+    ),
     ("sa-team", {"serviceAccountName": "team-trainer"}),
 ]
 TEAM_POLICY = {
+    "watchNamespaces": "{JOBS,default}",
     "policy.namespaces.JOBS.serviceAccounts": "{team-*}",
     "policy.namespaces.JOBS.images": "{registry.example.com/*}",
     "policy.namespaces.JOBS.envNames": "{NCCL_*}",
     "policy.namespaces.JOBS.persistentVolumeClaims": "false",
     "policy.namespaces.JOBS.hostPath.enabled": "true",
     "policy.namespaces.JOBS.hostPath.paths": "{/data/}",
+    "policy.namespaces.JOBS.hostPath.writablePaths": "{/data/out}",
 }
 
 
@@ -163,20 +169,17 @@ def test_admission_and_operator_enforce_the_same_policy_in_the_same_words(
         "host-data-rw": False,
         "host-escape": False,
         "host-prefix": False,
+        "host-out-rw": True,
         "sa-team": True,
     }
-    # Another namespace keeps the default policy (no hostPath at all).
-    other = kubectl(
-        "-n",
-        "default",
-        "apply",
-        "--dry-run=server",
-        "-f",
-        "-",
-        input=yaml.safe_dump(small_rljob("d", **DIFFERENTIAL[-5][1])),
-        check=False,
-    )
+    # Another served namespace keeps the default policy (no hostPath at all); a namespace this release
+    # does not serve is not its business (another release, or none, decides there).
+    host = yaml.safe_dump(small_rljob("d", **dict(DIFFERENTIAL)["host-data-ro"]))
+    dry_run = ("apply", "--dry-run=server", "-f", "-")
+    other = kubectl("-n", "default", *dry_run, input=host, check=False)
     assert "(default: hostPath.enabled is false)" in denial(other)
+    unserved = kubectl("-n", release["namespace"], *dry_run, input=host, check=False)
+    assert unserved.returncode == 0, unserved.stderr
 
 
 def _operator_token(kubectl: Kubectl, rel: dict[str, Any], tmp_path: Path) -> Kubectl:

@@ -63,13 +63,34 @@ def test_an_allowed_host_path_must_be_listed_and_read_only_unless_the_admin_says
     errors = {e.field: e.message for e in check_policy(root, pol, "default")}
     assert errors["spec.mounts[root].hostPath"].startswith('"/" is not allowed')
     assert "hostPath.paths allows /data/" in errors["spec.mounts[root].hostPath"]
-    assert "hostPath.allowWritable is false" in errors["spec.mounts[root].readOnly"]
-    writable = Policy.model_validate({"hostPath": {"enabled": True, "paths": ["/"], "allowWritable": True}})
+    assert errors["spec.mounts[root].readOnly"].startswith(
+        'a writable node directory "/" is not allowed by the rlkube admin policy (default: '
+        "hostPath.writablePaths allows none); set readOnly: true"
+    )
+    writable = Policy.model_validate({"hostPath": {"enabled": True, "paths": ["/"], "writablePaths": ["/"]}})
     assert [e.field for e in check_policy(root, writable, "x")] == [
         "spec.serviceAccountName",
         "spec.priorityClassName",
         "spec.gpu.tolerations",
     ]
+
+
+def test_writable_host_paths_are_only_those_the_admin_lists() -> None:
+    """What `make demo` asks for: the task folder read-only, only its outputs folder writable."""
+    pol = Policy.model_validate(
+        {"hostPath": {"enabled": True, "paths": ["/tmp/demo"], "writablePaths": ["/tmp/demo/outputs"]}}
+    )
+
+    def mounts(path: str, read_only: bool) -> Any:
+        return spec_of(mounts=[{"name": "m", "mountPath": "/m", "hostPath": path, "readOnly": read_only}])
+
+    assert check_policy(mounts("/tmp/demo", True), pol, "default") == []
+    assert check_policy(mounts("/tmp/demo/outputs/run1", False), pol, "default") == []
+    (refused,) = check_policy(mounts("/tmp/demo", False), pol, "default")
+    assert refused.field == "spec.mounts[m].readOnly"
+    assert "(default: hostPath.writablePaths allows /tmp/demo/outputs)" in refused.message
+    escape = check_policy(mounts("/tmp/demo/outputs/../model", False), pol, "default")
+    assert [e.field for e in escape] == ["spec.mounts[m].hostPath", "spec.mounts[m].readOnly"]
 
 
 @pytest.mark.parametrize(

@@ -104,7 +104,7 @@ A whole policy for one namespace: every key the override (`.over`) gives replace
 {{- $hd := $def.hostPath | default dict -}}
 {{- $ho := get $over "hostPath" | default dict -}}
 {{- $hp := dict -}}
-{{- range $k := list "enabled" "paths" "allowWritable" -}}
+{{- range $k := list "enabled" "paths" "writablePaths" -}}
 {{- $_ := set $hp $k (ternary (get $ho $k) (get $hd $k) (hasKey $ho $k)) -}}
 {{- end -}}
 {{- $_ := set $out "hostPath" $hp -}}
@@ -137,16 +137,16 @@ A whole policy for one namespace: every key the override (`.over`) gives replace
   expression: {{ $p.persistentVolumeClaims | toJson | quote }}
 - name: hostPathEnabled
   expression: {{ $p.hostPath.enabled | toJson | quote }}
-- name: hostPathAllowWritable
-  expression: {{ $p.hostPath.allowWritable | toJson | quote }}
+{{- range $k := list "paths" "writablePaths" }}
 {{- $paths := list -}}
-{{- range ($p.hostPath.paths | default list) -}}
+{{- range (get $p.hostPath $k | default list) -}}
 {{- $paths = append $paths (regexReplaceAll "/+$" . "") -}}
 {{- end }}
-- name: hostPathPaths
+- name: hostPath{{ title $k }}
   expression: {{ toJson $paths | quote }}
-- name: hostPathPathsText
-  expression: {{ (ternary (join ", " ($p.hostPath.paths | default list)) "none" (gt (len ($p.hostPath.paths | default list)) 0)) | toJson | quote }}
+- name: hostPath{{ title $k }}Text
+  expression: {{ (ternary (join ", " (get $p.hostPath $k | default list)) "none" (gt (len (get $p.hostPath $k | default list)) 0)) | toJson | quote }}
+{{- end }}
 {{- end -}}
 
 {{- define "rlkube.image" -}}
