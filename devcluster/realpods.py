@@ -106,7 +106,7 @@ def devcluster_policy(dirs: HostDirs) -> dict[str, Any]:
     toleration and label, the images it builds (rlkube/*), the one env var the tiny RLJobs set, and
     the node directories they mount (read-only except the outputs). Lists replace the chart's
     defaults, so the defaults are restated. This is the example of an admin opting in
-    (docs/security.md)."""
+    (docs/operator.md, "Security")."""
     from rlkube.operator.policy import Policy
 
     base = Policy()
