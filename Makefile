@@ -18,7 +18,7 @@ help:
 	@echo "make lint           ruff + mypy + helm lint"
 	@echo "make cluster-up     start the local control plane (.devcluster/kubeconfig)"
 	@echo "make cluster-down   stop it and remove its state"
-	@echo "make crds           regenerate crds/ and the chart's CRD from the pydantic models"
+	@echo "make crds           regenerate crds/, the chart's CRD and admission policy from the Python sources"
 	@echo "make bench-operator / bench-weights / bench-gpu   benchmarks (JSON in bench/results/)"
 
 $(PY): pyproject.toml .ci/python-env.sh
@@ -39,6 +39,7 @@ cluster-down: venv
 
 crds: venv
 	$(PY) -m rlkube.api.crd --write
+	$(PY) -m rlkube.operator.policy --write
 
 lint: venv
 	$(VENV)/bin/ruff check .

@@ -22,7 +22,13 @@ import yaml
 
 from .contract import CRD_NAME, GROUP, KIND, PLURAL, SHORT_NAMES, SINGULAR, VERSION
 from .models import RLJob
-from .validation import IMMUTABLE_FIELDS, MAX_RLJOB_NAME, RULES
+from .validation import (
+    IMMUTABLE_FIELDS,
+    MAX_RLJOB_NAME,
+    RULES,
+    SUSPEND_TO_EDIT_MESSAGE,
+    suspend_to_edit_rule,
+)
 
 CRD_FILE = f"{CRD_NAME}.yaml"
 HEADER = (
@@ -177,6 +183,13 @@ def openapi_schema() -> dict[str, Any]:
         for r in RULES
         if r.cel is not None
     ]
+    spec["x-kubernetes-validations"].append(
+        {
+            "rule": suspend_to_edit_rule(sorted(spec["properties"])),
+            "message": SUSPEND_TO_EDIT_MESSAGE,
+            "reason": "FieldValueForbidden",
+        }
+    )
     for dotted, message in IMMUTABLE_FIELDS.items():
         _at(spec, dotted).setdefault("x-kubernetes-validations", []).append(
             {"rule": "self == oldSelf", "message": message}

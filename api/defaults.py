@@ -12,6 +12,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
+from .models import BYTES_PATTERN, IMAGE_PATTERN
+
 # The image of last resort when neither the RLJob nor the admin names one for the vendor.
 FALLBACK_IMAGE = "rlkube/runtime-rocm:0.1.0"
 
@@ -22,7 +24,9 @@ class RenderDefaults(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
 
     image: str | None = Field(
-        default=None, description="Runtime image for every vendor (overrides vendorImages)."
+        default=None,
+        pattern=IMAGE_PATTERN,
+        description="Runtime image for every vendor (overrides vendorImages).",
     )
     vendor_images: dict[str, str] = Field(
         default_factory=lambda: {
@@ -35,10 +39,12 @@ class RenderDefaults(BaseModel):
     image_pull_policy: str = Field(default="IfNotPresent", description="Default pull policy.")
     image_pull_secrets: list[str] = Field(default_factory=list, description="Pull secrets on every pod.")
     head_cpu: int = Field(default=2, ge=1, description="Ray head CPU cores (also its Ray num-cpus).")
-    head_memory: str = Field(default="8Gi", description="Ray head memory.")
-    head_shm_size: str = Field(default="2Gi", description="/dev/shm size on the head.")
+    head_memory: str = Field(default="8Gi", pattern=BYTES_PATTERN, description="Ray head memory.")
+    head_shm_size: str = Field(default="2Gi", pattern=BYTES_PATTERN, description="/dev/shm size on the head.")
     shm_size: str = Field(
-        default="16Gi", description="/dev/shm size on workers unless the RLJob sets shmSize."
+        default="16Gi",
+        pattern=BYTES_PATTERN,
+        description="/dev/shm size on workers unless the RLJob sets shmSize.",
     )
     extra_env: dict[str, str] = Field(
         default_factory=dict,

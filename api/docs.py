@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 from .defaults import RenderDefaults
-from .validation import IMMUTABLE_FIELDS, MAX_RLJOB_NAME, RULES
+from .validation import IMMUTABLE_FIELDS, LIVE_FIELDS, MAX_RLJOB_NAME, RULES, SUSPEND_TO_EDIT_MESSAGE
 
 INTRO = """\
 # The RLJob API (`rlkube.io/v1alpha1`)
@@ -119,14 +119,16 @@ RAYJOB. A CRD column cannot add or format numbers, so two columns read status fi
 - **Names.** RLJob names are limited to {max_name} characters because the name is the
   `rlkube.io/rljob` label value on every child. KubeRay limits RayJob names to 47 characters
   and DNS-1035 labels: longer or digit-leading names become a deterministic
-  `<prefix>-<8 hex of sha256>`.
+  `<prefix>-<16 hex of sha256>`, and so does a name that already ends in `-<16 hex>`:
+  no RLJob can be named after another one's hashed RayJob. Before applying, the operator looks
+  every child up and writes only to objects whose controller reference is this RLJob.
 - **Env.** Every Ray container (head and workers) gets, in this order of precedence (last wins):
   the platform layer's values (`rlkube.api.platform_env.ray_container_env(vendor, engine)`),
   the operator's admin defaults (Helm values), `spec.env`, then `RLKUBE_RLJOB_NAME`/`NAMESPACE`
   (not overridable). `ROCR_VISIBLE_DEVICES` is never rendered and is refused in `spec.env`.
-- **Immutability.** {immutable} cannot change after creation (a CEL `self == oldSelf` rule):
-  they decide the Ray cluster's layout or what the run is; delete and recreate instead.
-  Other fields may change; the operator re-renders the children.
+- **Changing a spec after creation** is decided per field, and nothing is silently ignored:
+
+{change_table}
 
 ## What an RLJob renders (rlkube.operator.render)
 
@@ -139,8 +141,8 @@ per child kind: `config`, `rbac`, `rayjob`) returns, all owner-referenced to the
 - ConfigMap `<name>-config` with `rljob.yaml` = `dump_resolved(job)` (marked with the
   `rlkube.io/resolved` annotation, so `rlkube-train` takes it as it is), mounted read-only at
   `/etc/rlkube` on every Ray container;
-- ServiceAccount `<name>-runtime`, Role `<name>-runtime` (get on `rljobs`, get/patch on
-  `rljobs/status`, both with `resourceNames: [<name>]`) and its RoleBinding;
+- ServiceAccount `<name>-runtime`, Role `<name>-runtime` (patch on `rljobs/status` with
+  `resourceNames: [<name>]`: the runtime's progress pushes, nothing else) and its RoleBinding;
 - RayJob (`ray.io/v1`): entrypoint `rlkube-train --rljob /etc/rlkube/rljob.yaml`,
   `submissionMode: K8sJobMode`, `shutdownAfterJobFinishes: true`, `ttlSecondsAfterFinished`,
   `backoffLimit`, `activeDeadlineSeconds`, `suspend` (left out under Kueue); a CPU-only head
@@ -225,7 +227,34 @@ def render_api_md() -> str:
 
     schema = openapi_schema()
     immutable = ", ".join(f"`spec.{f}`" for f in IMMUTABLE_FIELDS)
-    intro = INTRO.replace("{max_name}", str(MAX_RLJOB_NAME)).replace("{immutable}", immutable)
+    live = ", ".join(f"`spec.{f}`" for f in LIVE_FIELDS)
+    change_rows = [
+        ("fields", "a change", "enforced by"),
+        ("---", "---", "---"),
+        (
+            live,
+            "rolled out at once: the operator re-applies the RayJob and KubeRay reads these as the job goes",
+            "-",
+        ),
+        (
+            immutable,
+            "refused always: they decide the Ray cluster's layout or what the run is; delete and recreate",
+            "CEL `self == oldSelf`",
+        ),
+        (
+            "every other field",
+            "refused while the job runs; allowed while it is suspended (`spec.suspend: true` before and "
+            "after the edit), then rolled out on resume: KubeRay builds the new Ray cluster from the "
+            "re-applied RayJob and the pods read the re-applied ConfigMap",
+            "CEL transition rule on `spec`",
+        ),
+    ]
+    change_table = "\n".join("  | " + " | ".join(r) + " |" for r in change_rows)
+    intro = (
+        INTRO.replace("{max_name}", str(MAX_RLJOB_NAME))
+        .replace("{immutable}", immutable)
+        .replace("{change_table}", change_table)
+    )
     out = [intro.replace("{render_defaults}", _render_defaults_table())]
     out.append("| field | enforced by | message |\n|---|---|---|")
     for r in RULES:
@@ -238,6 +267,7 @@ def render_api_md() -> str:
     )
     for f, m in IMMUTABLE_FIELDS.items():
         out.append(f"| `spec.{f}` | CEL transition rule | {m} |")
+    out.append(f"| `spec` (all but the live fields) | CEL transition rule | {SUSPEND_TO_EDIT_MESSAGE} |")
     out.append("\n## Field reference (spec)\n")
     out.append("| field | type | default | description |\n|---|---|---|---|")
     spec = schema["properties"]["spec"]

@@ -36,8 +36,14 @@ StalePolicy = Literal["drop", "wait"]
 NonFiniteReward = Literal["error", "skip"]
 PullPolicy = Literal["Always", "IfNotPresent", "Never"]
 
-# Kubernetes quantity (same grammar the API server accepts for resources, kept simple).
-QUANTITY_PATTERN = r"^[0-9]+(\.[0-9]+)?(m|k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei)?$"
+# A size in bytes as a Kubernetes quantity: whole bytes, or a decimal with a k..E / Ki..Ei suffix. No
+# milli-units (`1500m` is 1.5 bytes: the API server takes it, the pod gets nothing) and no bare fraction.
+BYTES_PATTERN = r"^([0-9]+|[0-9]+(\.[0-9]+)?(k|M|G|T|P|E|Ki|Mi|Gi|Ti|Pi|Ei))$"
+# A Kubernetes object name (DNS-1123 subdomain): ServiceAccounts, PriorityClasses, PVCs.
+DNS1123_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+# A container image reference: one token, no whitespace or control characters (a newline in an image
+# renders a pod the kubelet can never pull).
+IMAGE_PATTERN = r"^[^\s]+$"
 # Built-in reward names, or `package.module:function` for a user reward.
 REWARD_PATTERN = r"^(gsm8k|math|dapo|arith|geo3k|[A-Za-z_][A-Za-z0-9_.]*:[A-Za-z_][A-Za-z0-9_]*)$"
 BUILTIN_REWARDS = ("gsm8k", "math", "dapo", "arith", "geo3k")
@@ -329,12 +335,10 @@ class TrainerSpec(_Model):
     cpus_per_replica: int = Field(
         default=8, ge=1, le=1024, description="CPU cores per pod (also Ray num-cpus)."
     )
-    memory: str = Field(
-        default="64Gi", pattern=QUANTITY_PATTERN, max_length=64, description="Memory per pod."
-    )
+    memory: str = Field(default="64Gi", pattern=BYTES_PATTERN, max_length=64, description="Memory per pod.")
     shm_size: str | None = Field(
         default=None,
-        pattern=QUANTITY_PATTERN,
+        pattern=BYTES_PATTERN,
         max_length=64,
         description="Size of the /dev/shm memory volume. Default: the platform default (Helm values).",
     )
@@ -371,7 +375,7 @@ class RolloutSpec(_Model):
     )
     kv_cache_memory: str | None = Field(
         default=None,
-        pattern=QUANTITY_PATTERN,
+        pattern=BYTES_PATTERN,
         max_length=64,
         description="KV cache size per engine (e.g. 2Gi); when set it replaces gpuMemoryUtilization's "
         "sizing (vLLM kv_cache_memory_bytes), on GPUs and CPUs alike.",
@@ -382,12 +386,12 @@ class RolloutSpec(_Model):
     )
     memory: str = Field(
         default="64Gi",
-        pattern=QUANTITY_PATTERN,
+        pattern=BYTES_PATTERN,
         max_length=64,
         description="Memory per rollout pod (separate_async).",
     )
     shm_size: str | None = Field(
-        default=None, pattern=QUANTITY_PATTERN, max_length=64, description="Size of /dev/shm on rollout pods."
+        default=None, pattern=BYTES_PATTERN, max_length=64, description="Size of /dev/shm on rollout pods."
     )
 
 
@@ -481,7 +485,10 @@ class CheckpointSpec(_Model):
     """Where and how often the trainer saves."""
 
     persistent_volume_claim: str | None = Field(
-        default=None, max_length=MAX_NAME, description="PVC mounted on the trainer pods at checkpoint.path."
+        default=None,
+        max_length=MAX_NAME,
+        pattern=DNS1123_SUBDOMAIN,
+        description="PVC mounted on the trainer pods at checkpoint.path.",
     )
     interval_steps: int = Field(default=50, ge=0, description="Save every N steps (0: only at the end).")
     path: str | None = Field(
@@ -501,7 +508,7 @@ class ResourcesSpec(_Model):
     )
     memory: str | None = Field(
         default=None,
-        pattern=QUANTITY_PATTERN,
+        pattern=BYTES_PATTERN,
         max_length=64,
         description="Memory. Default: platform default (8Gi).",
     )
@@ -526,12 +533,17 @@ class Mount(_Model):
         min_length=1, max_length=MAX_PATH, description="Where it appears in the containers."
     )
     persistent_volume_claim: str | None = Field(
-        default=None, max_length=MAX_NAME, description="Claim to mount (exactly one of this and hostPath)."
+        default=None,
+        max_length=MAX_NAME,
+        pattern=DNS1123_SUBDOMAIN,
+        description="Claim to mount (exactly one of this and hostPath).",
     )
     host_path: str | None = Field(
         default=None,
         max_length=MAX_PATH,
-        description="Node directory to mount (exactly one of this and the PVC).",
+        pattern=r"^/",
+        description="Absolute node directory to mount (exactly one of this and the PVC). Refused unless "
+        "the admin policy allows hostPath and lists the directory.",
     )
     read_only: bool = Field(default=True, description="Mount read-only.")
 
@@ -542,7 +554,9 @@ class RLJobSpec(_Model):
     image: str | None = Field(
         default=None,
         max_length=MAX_PATH,
-        description="Runtime image for head and workers. Default: the operator's (Helm values).",
+        pattern=IMAGE_PATTERN,
+        description="Runtime image for head and workers (one reference, no whitespace). Default: the "
+        "operator's (Helm values); the admin policy may limit registries.",
     )
     image_pull_policy: PullPolicy | None = Field(
         default=None, description="Pull policy of the runtime image."
@@ -589,13 +603,17 @@ class RLJobSpec(_Model):
         default=0, ge=0, description="Seconds the Ray cluster is kept after the job finishes (then deleted)."
     )
     priority_class_name: str | None = Field(
-        default=None, max_length=MAX_NAME, description="PriorityClass of every pod."
+        default=None,
+        max_length=MAX_NAME,
+        pattern=DNS1123_SUBDOMAIN,
+        description="PriorityClass of every pod (the admin policy lists the allowed ones).",
     )
     service_account_name: str | None = Field(
         default=None,
         max_length=MAX_NAME,
-        description="Run pods as this ServiceAccount instead of the per-RLJob <name>-runtime one (it then "
-        "needs get/patch on this RLJob's status for progress).",
+        pattern=DNS1123_SUBDOMAIN,
+        description="Run pods as this ServiceAccount instead of the per-RLJob <name>-runtime one (the admin "
+        "policy lists the allowed ones; it then needs patch on this RLJob's status for progress).",
     )
 
 

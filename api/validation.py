@@ -334,6 +334,31 @@ IMMUTABLE_FIELDS: dict[str, str] = {
 }
 
 
+# What a spec change does after creation (docs/api.md has the table):
+# - LIVE_FIELDS reach the RayJob at once and KubeRay reads them as the job goes;
+# - IMMUTABLE_FIELDS never change (above);
+# - every other field changes only while the RLJob is suspended (spec.suspend true before and after the
+#   edit): the Ray cluster is gone then, and resuming builds the new one and its config from the new
+#   spec. A CEL transition rule on spec refuses the edit otherwise, so no change is silently ignored.
+LIVE_FIELDS: tuple[str, ...] = ("suspend", "activeDeadlineSeconds", "backoffLimit", "ttlSecondsAfterFinished")
+SUSPEND_TO_EDIT_MESSAGE = (
+    "a running RLJob's spec may change only in suspend, activeDeadlineSeconds, backoffLimit and "
+    "ttlSecondsAfterFinished: set spec.suspend: true, edit, then set it back to false (the new Ray cluster "
+    "and config roll out on resume)"
+)
+
+
+def suspend_to_edit_rule(fields: list[str]) -> str:
+    """CEL transition rule on spec: unchanged outside LIVE_FIELDS, unless suspended before and after."""
+    same = [
+        f"(has(self.{f}) == has(oldSelf.{f}) && (!has(self.{f}) || self.{f} == oldSelf.{f}))"
+        for f in fields
+        if f not in LIVE_FIELDS
+    ]
+    suspended = "(has(oldSelf.suspend) && oldSelf.suspend && has(self.suspend) && self.suspend)"
+    return suspended + " || (" + " && ".join(same) + ")"
+
+
 def _python_only(spec: RLJobSpec) -> list[FieldError]:
     """Checks the API server enforces structurally (list-map keys) or that CEL cannot afford."""
     errors: list[FieldError] = []

@@ -29,6 +29,7 @@ from .cluster import ClusterConfig, DevCluster, default_state_dir
 from .errors import DevClusterError
 from .realpods import (
     OPERATOR_IMAGE,
+    HostDirs,
     install_operator,
     load_images,
     pods_report,
@@ -181,11 +182,23 @@ def run_demo(args: argparse.Namespace) -> int:
         # 3. operator, as a pod
         say(f"3/7 helm install charts/rlkube into {OPERATOR_NAMESPACE} (the operator runs as a pod with its "
             f"chart's ServiceAccount and RBAC; it watches {ns})")  # fmt: skip
+        # The namespace first: in the chart's namespaced mode (the default) the operator's Role lives there.
+        # The admin policy of that namespace allows what the example mounts, and no more.
+        dirs = HostDirs.of_rljob(example)
+        kubectl.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
         pod = install_operator(
-            kubectl, OPERATOR_NAMESPACE, watch_namespaces=[ns], image_digest=digests[OPERATOR_IMAGE]
+            kubectl,
+            OPERATOR_NAMESPACE,
+            watch_namespaces=[ns],
+            image_digest=digests[OPERATOR_IMAGE],
+            host_dirs=dirs,
         )
         say(f"    operator pod {OPERATOR_NAMESPACE}/{pod} is Ready")
-        kubectl.apply({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": ns}})
+        say(
+            f"    admin policy for {ns} (chart values policy.namespaces.{ns}): the real node's toleration, "
+            f"rlkube/* images, node directories {', '.join(dirs.read)} read-only and "
+            f"{', '.join(dirs.write) or 'none'} writable; everything else as the chart's defaults"
+        )
         if _exists(kubectl, ns, "rljob", name):
             say(f"    deleting the RLJob {ns}/{name} left from an earlier run (and its children)")
             kubectl("-n", ns, "delete", "rljob", name, "--wait=true", "--timeout=180s", timeout=200)

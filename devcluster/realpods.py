@@ -12,6 +12,7 @@ import os
 import subprocess
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -83,16 +84,65 @@ def helm_binary() -> Path:
     return path
 
 
-def operator_values(watch_namespaces: list[str] | None = None, image_digest: str = "") -> dict[str, Any]:
+@dataclass(frozen=True)
+class HostDirs:
+    """The node directories the devcluster's RLJobs mount: `read` read-only, `write` writable."""
+
+    read: tuple[str, ...]
+    write: tuple[str, ...] = ()
+
+    @classmethod
+    def of_rljob(cls, rljob: dict[str, Any]) -> HostDirs:
+        """Exactly the hostPath mounts an RLJob asks for (readOnly unless it says false)."""
+        mounts = [m for m in rljob["spec"].get("mounts") or () if m.get("hostPath")]
+        return cls(
+            tuple(str(m["hostPath"]) for m in mounts if m.get("readOnly", True)),
+            tuple(str(m["hostPath"]) for m in mounts if m.get("readOnly") is False),
+        )
+
+
+def devcluster_policy(dirs: HostDirs) -> dict[str, Any]:
+    """The admin policy the devcluster's chart installs opt into, and no more: the real node's
+    toleration and label, the images it builds (rlkube/*), the one env var the tiny RLJobs set, and
+    the node directories they mount (read-only except the outputs). Lists replace the chart's
+    defaults, so the defaults are restated. This is the example of an admin opting in
+    (docs/operator.md, "Security")."""
+    from rlkube.operator.policy import Policy
+
+    base = Policy()
+    return {
+        "tolerationKeys": [*base.toleration_keys, REAL_NODE_LABEL],
+        "nodeSelectorKeys": [*base.node_selector_keys, REAL_NODE_LABEL],
+        "images": [RUNTIME_IMAGE.split("/", 1)[0] + "/*"],
+        "envNames": ["RLKUBE_OUTPUT_DIR"],
+        "hostPath": {
+            "enabled": True,
+            "paths": sorted({*dirs.read, *dirs.write}),
+            "writablePaths": sorted(set(dirs.write)),
+        },
+    }
+
+
+def operator_values(
+    watch_namespaces: list[str] | None = None, image_digest: str = "", host_dirs: HostDirs | None = None
+) -> dict[str, Any]:
     """Chart values for the devcluster: the locally built images, and the real node for the operator,
     the Ray heads and KubeRay's submitters. `watch_namespaces` limits the operator (so a second
     operator, e.g. a test session's own, never reconciles the same RLJobs). The image's digest goes
-    into a pod annotation: the tag stays, so a rebuilt image must still roll the Deployment."""
+    into a pod annotation: the tag stays, so a rebuilt image must still roll the Deployment.
+    `host_dirs`: the admin policy of the watched namespaces opts into what the devcluster's RLJobs
+    need (`devcluster_policy`); without it the chart's defaults (no hostPath, no real-node toleration)."""
     repo, tag = OPERATOR_IMAGE.rsplit(":", 1)
+    namespaces = list(watch_namespaces or [])
+    policy: dict[str, Any] = {}
+    if host_dirs is not None:
+        allowed = devcluster_policy(host_dirs)
+        policy = {"namespaces": dict.fromkeys(namespaces, allowed)} if namespaces else {"default": allowed}
     return {
+        "policy": policy,
         "image": {"repository": repo, "tag": tag, "pullPolicy": "Never"},
         "podAnnotations": {"rlkube.io/image-digest": image_digest} if image_digest else {},
-        "watchNamespaces": list(watch_namespaces or []),
+        "watchNamespaces": namespaces,
         "nodeSelector": {REAL_NODE_LABEL: "true"},
         "tolerations": [REAL_NODE_TOLERATION],
         "resources": {
@@ -124,6 +174,7 @@ def install_operator(
     release: str = "rlkube",
     watch_namespaces: list[str] | None = None,
     image_digest: str = "",
+    host_dirs: HostDirs | None = None,
     timeout: float = 300,
 ) -> str:
     """`helm upgrade --install` of charts/rlkube; returns the operator pod once it is Ready and stays up.
@@ -132,7 +183,7 @@ def install_operator(
     not minutes later as a job that never starts.
     """
     values = Path(kubectl.kubeconfig).parent / f"{release}-values.yaml"
-    values.write_text(yaml.safe_dump(operator_values(watch_namespaces, image_digest)))
+    values.write_text(yaml.safe_dump(operator_values(watch_namespaces, image_digest, host_dirs)))
     argv = [
         str(helm_binary()), "upgrade", "--install", release, str(CHART), "--namespace", namespace,
         "--create-namespace", "--values", str(values), "--kubeconfig", str(kubectl.kubeconfig), "--wait",

@@ -86,6 +86,10 @@ class JobState:
     running_seen: bool = False
     # The renderer's warnings already posted as Events (posted again only when they change).
     spec_warnings: list[Any] = field(default_factory=list)
+    # InvalidSpec (the API's rules) or PolicyViolation (the admin policy), with validation_errors.
+    validation_reason: str = "InvalidSpec"
+    # Why the last spec reconcile wrote no children: a status.Problem (ChildConflict, QuotaExceeded, ...).
+    child_problem: Any = None
 
 
 @dataclass

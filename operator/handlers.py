@@ -16,6 +16,7 @@ import kopf
 from rlkube.api.contract import ANNOTATION_PREFIX, FINALIZER, GROUP, JOB_LABEL, PLURAL, VERSION
 
 from . import metrics
+from .apply import ChildConflict, ChildRefused
 from .cache import Key
 from .kube import Kube, KubeError, make_session
 from .reconciler import Reconciler
@@ -56,9 +57,14 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     )
     settings.posting.enabled = False  # our own Events, one per transition, not one per handler run
     settings.watching.label_selectors[PODS] = "ray.io/cluster"
-    settings.watching.field_selectors[EVENTS] = "type=Warning"
     for child in SIMPLE_CHILDREN:
         settings.watching.label_selectors[child] = JOB_LABEL
+    # Cluster-wide mode: excluded namespaces never reach the operator (one selector string per kind).
+    skip = [f"metadata.namespace!={ns}" for ns in _rec(memo).config.exclude_namespaces]
+    for kind in (RLJOB, RAYJOB, RAYCLUSTER, PODS, *SIMPLE_CHILDREN):
+        if skip:
+            settings.watching.field_selectors[kind] = ",".join(skip)
+    settings.watching.field_selectors[EVENTS] = ",".join(["type=Warning", *skip])
     settings.watching.server_timeout = 300
     settings.networking.request_timeout = 60
     _rec(memo).start()
@@ -102,10 +108,12 @@ async def reconcile(
     metrics.RECONCILES.labels("spec").inc()
     try:
         await rec.reconcile_spec(body, logger)
+    except (ChildConflict, ChildRefused) as exc:
+        # On the RLJob already (ClusterReady + a Warning Event); look again later: the quota may be
+        # raised, the foreign object deleted. Not an operator error.
+        raise kopf.TemporaryError(str(exc), delay=min(60, 5 * 2**retry)) from exc
     except KubeError as exc:
         metrics.RECONCILE_ERRORS.labels("spec").inc()
-        if exc.status in (400, 403, 422) and retry >= 3:
-            raise kopf.PermanentError(f"the API server refuses a child: {exc.message}") from exc
         raise kopf.TemporaryError(
             f"applying children failed: {exc}", delay=min(60, 2 ** (retry + 1))
         ) from exc
@@ -200,7 +208,7 @@ async def _reapply(rec: Reconciler, key: Key) -> None:
         try:
             await rec.reconcile_spec(body, log)
             return
-        except KubeError as exc:
+        except (KubeError, ChildConflict, ChildRefused) as exc:
             metrics.RECONCILE_ERRORS.labels("spec").inc()
             log.warning("recreating children of %s/%s failed (%s); retry %d", *key, exc, attempt + 1)
             await asyncio.sleep(2**attempt)

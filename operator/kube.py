@@ -47,27 +47,50 @@ class KubeError(Exception):
         super().__init__(f"{method} {url}: {status} {self.message}")
 
 
-def resource_of(path: str) -> str:
-    """``/apis/ray.io/v1/namespaces/ns/rayjobs/x/status`` -> ``rayjobs/status`` (a low-cardinality label)."""
+def _resource_parts(path: str) -> list[str] | None:
+    """``/apis/g/v/namespaces/ns/rayjobs/x/status`` -> ``[rayjobs, x, status]``; None for non-API paths."""
     parts = [p for p in path.split("/") if p]
     if parts[:1] == ["api"]:
         parts = parts[2:]
     elif parts[:1] == ["apis"]:
         parts = parts[3:]
     else:
-        return parts[0] if parts else ""
+        return None
     if parts[:1] == ["namespaces"] and len(parts) > 2:
         parts = parts[2:]
+    return parts
+
+
+def resource_of(path: str) -> str:
+    """``/apis/ray.io/v1/namespaces/ns/rayjobs/x/status`` -> ``rayjobs/status`` (a low-cardinality label)."""
+    parts = _resource_parts(path)
+    if parts is None:
+        first = [p for p in path.split("/") if p][:1]
+        return first[0] if first else ""
     if not parts:
         return ""
     return parts[0] + (f"/{parts[2]}" if len(parts) > 2 else "")
+
+
+def is_collection(path: str) -> bool:
+    """True for a list URL (``.../namespaces/ns/rayjobs``), False for one object or a subresource."""
+    return len(_resource_parts(path) or ()) == 1
+
+
+def request_verb(method: str, path: str, query: str) -> str:
+    """The apiserver's own verb names: WATCH and LIST apart from GET, else the HTTP method."""
+    if "watch=true" in query or "watch=1" in query:
+        return "WATCH"
+    if method == "GET" and is_collection(path):
+        return "LIST"
+    return method
 
 
 async def _on_request_end(
     session: aiohttp.ClientSession, ctx: SimpleNamespace, params: aiohttp.TraceRequestEndParams
 ) -> None:
     url = urlsplit(str(params.url))
-    verb = "WATCH" if "watch=true" in (url.query or "") else params.method
+    verb = request_verb(params.method, url.path, url.query or "")
     metrics.API_REQUESTS.labels(verb, resource_of(url.path), str(params.response.status)).inc()
 
 
@@ -133,6 +156,13 @@ class Kube:
     async def get(self, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         api_version, plural = PLURALS[kind]
         return await self._call("GET", object_url(api_version, plural, namespace, name))
+
+    async def delete(self, kind: str, namespace: str, name: str, *, uid: str) -> None:
+        """Delete one object, only if it is still the one with ``uid`` (409 otherwise)."""
+        api_version, plural = PLURALS[kind]
+        body = {"kind": "DeleteOptions", "apiVersion": "v1", "preconditions": {"uid": uid}}
+        body["propagationPolicy"] = "Background"
+        await self._call("DELETE", object_url(api_version, plural, namespace, name), body=body)
 
     async def patch_status(self, kind: str, namespace: str, name: str, status: Mapping[str, Any]) -> None:
         """JSON merge patch of the status subresource: keys we do not send (``progress``) stay as they are."""

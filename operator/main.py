@@ -10,6 +10,7 @@ import argparse
 import asyncio
 import logging
 import os
+import random
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -21,6 +22,7 @@ from rlkube.api import RenderDefaults
 
 from . import metrics
 from .handlers import REGISTRY
+from .policy import load_policy
 from .reconciler import Config, Reconciler
 
 
@@ -43,7 +45,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--peering", default=os.environ.get("RLKUBE_PEERING"), help="KopfPeering name (HA replicas)."
     )
-    p.add_argument("--priority", type=int, default=int(os.environ.get("RLKUBE_PRIORITY", "0")))
+    p.add_argument(
+        "--priority",
+        default=os.environ.get("RLKUBE_PRIORITY", "0"),
+        help="peering priority (the highest live replica acts), or `auto`: a random one per process, so "
+        "replicas of one Deployment never tie (equal priorities pause them all).",
+    )
+    p.add_argument(
+        "--peering-lifetime",
+        type=int,
+        default=int(os.environ.get("RLKUBE_PEERING_LIFETIME", "15")),
+        help="seconds a keep-alive counts: the longest a crashed active replica blocks a standby.",
+    )
+    p.add_argument(
+        "--exclude-namespace",
+        action="append",
+        default=[],
+        help="with --all-namespaces: never serve this namespace (repeat). The watches filter it out.",
+    )
     p.add_argument("--standalone", action="store_true", help="no peering at all (one replica, Recreate).")
     p.add_argument(
         "--liveness", default=os.environ.get("RLKUBE_LIVENESS"), help="e.g. http://0.0.0.0:8080/healthz"
@@ -63,6 +82,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=os.environ.get("RLKUBE_RENDER_DEFAULTS") or None,
         help="YAML file of admin-owned runtime defaults fed to the renderer (the chart mounts it).",
     )
+    p.add_argument(
+        "--policy",
+        type=Path,
+        default=os.environ.get("RLKUBE_POLICY") or None,
+        help="YAML file of the admin policy (what RLJobs may ask for; the chart mounts it). "
+        "Default: the chart's default policy.",
+    )
     p.add_argument("--status-workers", type=int, default=int(os.environ.get("RLKUBE_STATUS_WORKERS", "4")))
     return p.parse_args(argv)
 
@@ -72,6 +98,13 @@ def load_render_defaults(path: Path | None) -> RenderDefaults | None:
     if path is None:
         return None
     return RenderDefaults.model_validate(yaml.safe_load(path.read_text()) or {})
+
+
+def peering_priority(value: str) -> int:
+    """An explicit priority, or for ``auto`` a random one in [1, 2**31): two replicas tie with p ~ 5e-10."""
+    if value == "auto":
+        return random.SystemRandom().randrange(1, 2**31)
+    return int(value)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -92,18 +125,29 @@ def main(argv: Sequence[str] | None = None) -> int:
         metrics.serve(args.metrics_port, args.metrics_addr)
     metrics.set_phase_counts({})
 
+    if args.exclude_namespace and not clusterwide:
+        raise SystemExit("--exclude-namespace applies to --all-namespaces only")
+    priority = peering_priority(args.priority)
     config = Config(
         render_defaults=load_render_defaults(args.render_defaults),
+        policy=load_policy(args.policy),
+        exclude_namespaces=tuple(args.exclude_namespace),
         status_workers=args.status_workers,
-        scan_cluster=clusterwide or any(c in ns for ns in namespaces for c in "*?[!"),
+        # Namespace globs need Kopf to list namespaces; nothing else needs cluster-scoped reads (the
+        # CRDs are discovered once at start: install KubeRay before the operator).
+        scan_cluster=not clusterwide and any(c in ns for ns in namespaces for c in "*?[!"),
     )
     memo = kopf.Memo(reconciler=Reconciler(config))
     standalone = args.standalone or not args.peering
     settings = kopf.OperatorSettings()
-    # Namespaced-only RBAC has no cluster-scoped list of namespaces/CRDs: Kopf must not scan for them.
+    # The chart grants no cluster-scoped list of namespaces/CRDs: Kopf must not scan for them.
     settings.scanning.disabled = not config.scan_cluster
     if not standalone:
         settings.peering.mandatory = True  # never run un-peered when replicas rely on peering
+        settings.peering.lifetime = args.peering_lifetime
+        logging.getLogger("rlkube.operator").info(
+            "peering %s with priority %d (lifetime %d s)", args.peering, priority, args.peering_lifetime
+        )
     try:
         asyncio.run(
             kopf.operator(
@@ -114,7 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 namespaces=[] if clusterwide else namespaces,
                 standalone=standalone,
                 peering_name=args.peering if not standalone else None,
-                priority=args.priority,
+                priority=priority,
                 liveness_endpoint=args.liveness,
             )
         )

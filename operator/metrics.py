@@ -44,3 +44,11 @@ def serve(port: int, addr: str = "0.0.0.0") -> None:
 def set_phase_counts(counts: dict[str, int]) -> None:
     for phase in PHASES:
         RLJOBS.labels(phase).set(counts.get(phase, 0))
+
+
+CHILD_PROBLEMS = Counter(
+    "rlkube_child_problems_total",
+    "Spec reconciles that wrote no children, by reason: ChildConflict (an object under a child's name is "
+    "not this RLJob's) or the API server's refusal of a child (QuotaExceeded, AdmissionRefused, ...).",
+    ["reason"],
+)

@@ -23,9 +23,11 @@ from rlkube.api.contract import KUEUE_QUEUE_LABEL, TERMINAL_PHASES, now_rfc3339,
 from rlkube.operator.render import SpecWarning, render_children
 
 from . import metrics
+from .apply import ChildConflict, ChildRefused, apply_children
 from .cache import Cache, JobState, Key
 from .kube import Kube, KubeError
-from .status import Observed, derive, operator_status_view, transitions
+from .policy import PolicySet, check_policy
+from .status import Observed, Problem, derive, operator_status_view, refusal_reason, transitions
 
 FIELD_MANAGER = "rlkube-operator"
 
@@ -75,6 +77,10 @@ class Config:
     status_delay_s: float = 0.5
     # False when watching an explicit namespace list: then Kopf needs no cluster-scoped reads at all.
     scan_cluster: bool = True
+    # The admin policy: what RLJobs may ask for, per namespace.
+    policy: PolicySet = field(default_factory=PolicySet)
+    # Cluster-wide mode: namespaces never served (every watch filters them out server-side).
+    exclude_namespaces: tuple[str, ...] = ()
 
 
 @dataclass
@@ -89,6 +95,8 @@ class Reconciler:
     busy: set[Key] = field(default_factory=set)
     again: set[Key] = field(default_factory=set)
     tasks: list[asyncio.Task[None]] = field(default_factory=list)
+    # uids of children the operator itself is deleting (undoing a refused attempt): not "deleted by hand".
+    undoing: set[str] = field(default_factory=set)
 
     # ----------------------------------------------------------------------------- queue
 
@@ -155,11 +163,20 @@ class Reconciler:
             state.algorithm = job.spec.algorithm.name
             state.mode = job.spec.training.mode
             state.gpus = int(total_gpus(job.spec))
+        reason = "InvalidSpec"
+        if job is not None and not errors:
+            # The admin policy, on what the user wrote (the chart's admission policy says the same).
+            scope, policy = self.config.policy.for_namespace(key[0])
+            errors = [str(e) for e in check_policy(job.spec, policy, scope)]
+            reason = "PolicyViolation"
         if errors or job is None:
             first = state.validation_errors != errors
             state.validation_errors = errors
+            state.validation_reason = reason
             if first:
-                logger.warning("invalid spec: %s", "; ".join(errors))
+                logger.warning(
+                    "%s: %s", "refused by the admin policy" if job else "invalid spec", "; ".join(errors)
+                )
             self.mark(key)
             return
         state.validation_errors = []
@@ -173,11 +190,39 @@ class Reconciler:
             [children.role_binding],
             [children.ray_job],
         ]
-        for wave in waves:
-            await asyncio.gather(*(self.kube.apply(o, field_manager=self.config.field_manager) for o in wave))
+        try:
+            created = await apply_children(
+                self.kube,
+                waves,
+                owner_uid=str(meta["uid"]),
+                field_manager=self.config.field_manager,
+                undoing=self.undoing,
+            )
+        except ChildConflict as exc:
+            self._child_problem(key, state, Problem("ChildConflict", str(exc)))
+            raise
+        except ChildRefused as exc:
+            self._child_problem(key, state, Problem(refusal_reason(exc.error.message), str(exc)))
+            raise
+        state.child_problem = None
         state.applied_generation = gen
-        log.info("applied %d children of RLJob %s/%s (generation %d)", len(objs), key[0], key[1], gen)
+        log.info(
+            "applied %d children of RLJob %s/%s (generation %d, %d created)",
+            len(objs),
+            key[0],
+            key[1],
+            gen,
+            len(created),
+        )
         await self._post_warnings(key, body, children.warnings, state)
+        self.mark(key)
+
+    def _child_problem(self, key: Key, state: JobState, problem: Problem) -> None:
+        """Remember why no children were written (the status says it within a status cycle)."""
+        if state.child_problem != problem:
+            log.warning("RLJob %s/%s: %s: %s", key[0], key[1], problem.reason, problem.message)
+        state.child_problem = problem
+        metrics.CHILD_PROBLEMS.labels(problem.reason).inc()
         self.mark(key)
 
     async def _post_warnings(
@@ -220,6 +265,8 @@ class Reconciler:
             pods=pods,
             events=events,
             applied_generation=state.applied_generation,
+            validation_reason=state.validation_reason,
+            child_problem=state.child_problem,
         )
         current = rljob.get("status") or {}
         derived = derive(obs, current.get("conditions") or (), now=datetime.now(UTC))
@@ -304,6 +351,10 @@ class Reconciler:
 
     def child_deleted(self, body: Mapping[str, Any]) -> Key | None:
         """The RLJob to re-apply when one of its children was deleted while it is still active."""
+        uid = str((body.get("metadata") or {}).get("uid"))
+        if uid in self.undoing:
+            self.undoing.discard(uid)  # our own rollback; the RLJob's retry takes it from here
+            return None
         for ref in (body.get("metadata") or {}).get("ownerReferences") or ():
             if ref.get("kind") != "RLJob":
                 continue

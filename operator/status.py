@@ -40,11 +40,36 @@ _RAY_OOM = ("OutOfMemoryError", "running low on memory")
 MAX_MESSAGE = 1000
 # Events worth carrying to the RLJob when pod status alone says nothing (e.g. quota, mounts).
 _EVENT_REASONS = ("FailedScheduling", "FailedMount", "FailedAttachVolume", "FailedCreate", "FailedCreatePod")
+# KubeRay's own Warning events when the API server refuses what it creates (pods, the submitter Job, the
+# RayCluster); the message carries the API server's reason (quota, PodSecurity, PriorityClass, invalid).
+_KUBERAY_CREATE_REASONS = (
+    "FailedToCreateHeadPod",
+    "FailedToCreateWorkerPod",
+    "FailedToCreateRayJobSubmitter",
+    "FailedToCreateRayCluster",
+)
+# The API server's refusal of a pod (or any object), as a reason users can alert on: first match wins.
+REFUSAL_REASONS: tuple[tuple[str, str], ...] = (
+    ("exceeded quota", "QuotaExceeded"),
+    ("violates PodSecurity", "PodSecurityRefused"),
+    ("no PriorityClass with name", "PriorityClassNotFound"),
+    ("is invalid", "InvalidPodSpec"),
+    ("denied request", "AdmissionRefused"),
+)
+CREATE_REFUSED = "CreateRefused"
 
 
 def condition_dict(c: Condition) -> dict[str, Any]:
     """One entry of ``status.conditions`` as the API writes it (keyed by type; no nulls)."""
     return c.model_dump(by_alias=True, exclude_none=True)
+
+
+@dataclass(frozen=True)
+class Problem:
+    """A pod-level (or KubeRay-level) reason the cluster cannot become ready."""
+
+    reason: str
+    message: str
 
 
 @dataclass(frozen=True)
@@ -63,14 +88,10 @@ class Observed:
     events: Sequence[Mapping[str, Any]] = ()
     # metadata.generation the children were last rendered from; None until the first apply.
     applied_generation: int | None = None
-
-
-@dataclass(frozen=True)
-class Problem:
-    """A pod-level (or KubeRay-level) reason the cluster cannot become ready."""
-
-    reason: str
-    message: str
+    # Why the spec is not valid: InvalidSpec (the API's rules) or PolicyViolation (the admin policy).
+    validation_reason: str = "InvalidSpec"
+    # Why the last spec reconcile wrote no children (ChildConflict, or the API's refusal of one).
+    child_problem: Problem | None = None
 
 
 @dataclass(frozen=True)
@@ -204,21 +225,53 @@ def _unschedulable(pod: Mapping[str, Any]) -> Problem | None:
     return None
 
 
+def refusal_reason(message: str) -> str:
+    """QuotaExceeded, PodSecurityRefused, ... for an API server refusal message; CreateRefused otherwise."""
+    return next((reason for needle, reason in REFUSAL_REASONS if needle in message), CREATE_REFUSED)
+
+
 def _event_problem(events: Sequence[Mapping[str, Any]]) -> Problem | None:
-    """The newest Warning event with a reason worth showing (events list is oldest first)."""
+    """The newest Warning event with a reason worth showing (events list is oldest first).
+
+    A refusal of something KubeRay or the Job controller creates (FailedToCreate*, FailedCreate) gets the
+    alertable reason of the API server's message (QuotaExceeded, PodSecurityRefused, ...).
+    """
     for ev in reversed(events):
-        if ev.get("type") == "Warning" and ev.get("reason") in _EVENT_REASONS:
-            obj = ev.get("involvedObject") or {}
-            who = f"{str(obj.get('kind', '')).lower()} {obj.get('name', '')}".strip()
-            return Problem(str(ev["reason"]), f"{who}: {ev.get('message', '')}")
+        reason = str(ev.get("reason") or "")
+        if ev.get("type") != "Warning" or reason not in (*_EVENT_REASONS, *_KUBERAY_CREATE_REASONS):
+            continue
+        obj = ev.get("involvedObject") or {}
+        who = f"{str(obj.get('kind', '')).lower()} {obj.get('name', '')}".strip()
+        message = str(ev.get("message") or "")
+        if reason in _KUBERAY_CREATE_REASONS or reason in ("FailedCreate", "FailedCreatePod"):
+            return Problem(refusal_reason(message), f"{who}: {reason}: {message}")
+        return Problem(reason, f"{who}: {message}")
     return None
 
 
-def diagnose(pods: Sequence[Mapping[str, Any]], events: Sequence[Mapping[str, Any]]) -> Problem | None:
+def _replica_failure(cluster: Mapping[str, Any] | None) -> Problem | None:
+    """KubeRay's ReplicaFailure condition: the API server refused a pod of the RayCluster."""
+    for cond in ((cluster or {}).get("status") or {}).get("conditions") or ():
+        if cond.get("type") == "ReplicaFailure" and cond.get("status") == "True":
+            name = ((cluster or {}).get("metadata") or {}).get("name", "")
+            message = str(cond.get("message") or "")
+            return Problem(
+                refusal_reason(message),
+                f"raycluster {name}: {cond.get('reason', 'ReplicaFailure')}: {message}",
+            )
+    return None
+
+
+def diagnose(
+    pods: Sequence[Mapping[str, Any]],
+    events: Sequence[Mapping[str, Any]],
+    cluster: Mapping[str, Any] | None = None,
+) -> Problem | None:
     """The most actionable reason these pods are not all running, or None.
 
-    Order: container errors (image pull, crash loop, bad config) beat scheduling, which beats events,
-    because a pod that has a node and still fails is the more specific story.
+    Order: container errors (image pull, crash loop, bad config) beat scheduling, which beats a pod the
+    API server refused to create (KubeRay's ReplicaFailure), which beats events, because a pod that has a
+    node and still fails is the more specific story.
     """
     live = [p for p in pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
     for pod in live:
@@ -233,7 +286,7 @@ def diagnose(pods: Sequence[Mapping[str, Any]], events: Sequence[Mapping[str, An
             return Problem(
                 "PodFailed", f"pod {_pod_name(pod)}: {st.get('reason', '')} {st.get('message', '')}"
             )
-    return _event_problem(events)
+    return _replica_failure(cluster) or _event_problem(events)
 
 
 def _pod_ready(pod: Mapping[str, Any]) -> bool:
@@ -314,7 +367,7 @@ def derive(
     if obs.validation_errors is None:
         valid = cond("Valid", "Unknown", "Validating", "the operator has not validated this spec yet")
     elif obs.validation_errors:
-        valid = cond("Valid", "False", "InvalidSpec", "; ".join(obs.validation_errors))
+        valid = cond("Valid", "False", obs.validation_reason, "; ".join(obs.validation_errors))
     else:
         valid = cond("Valid", "True", "SpecAccepted", "")
 
@@ -354,9 +407,11 @@ def derive(
         suspended = cond("Suspended", "False", "NotSuspended", "")
 
     pods = [p for p in obs.pods if not (p.get("metadata") or {}).get("deletionTimestamp")]
-    problem = diagnose(pods, obs.events)
+    problem = diagnose(pods, obs.events, obs.ray_cluster)
     ready, summary = cluster_ready(obs.ray_cluster, pods)
-    if rj is None:
+    if obs.child_problem is not None and valid.status == "True":
+        cluster = cond("ClusterReady", "False", obs.child_problem.reason, obs.child_problem.message)
+    elif rj is None:
         cluster = cond("ClusterReady", "False", "RayJobNotCreated", "the RayJob has not been created yet")
     elif suspended.status == "True":
         cluster = cond("ClusterReady", "False", "Suspended", "the RayCluster is deleted while suspended")
@@ -398,7 +453,7 @@ def derive(
         succ = cond("Succeeded", "False", "NotFinished" if not failed else "JobFailed", "")
 
     if valid.status == "False":
-        fail = cond("Failed", "True", "InvalidSpec", valid.message)
+        fail = cond("Failed", "True", valid.reason, valid.message)
     elif failed:
         reason = rj_reason or ("JobStopped" if job_status == "STOPPED" else "JobFailed")
         if deploy == "ValidationFailed" and not rj_reason:
@@ -493,7 +548,7 @@ def transitions(previous: Mapping[str, Any] | None, new: DerivedStatus) -> list[
         old = old_conds.get(c.type)
         if old is not None and old.get("status") == c.status and old.get("reason") == c.reason:
             continue
-        if c.type == "Failed" and c.reason == "InvalidSpec":
+        if c.type == "Failed" and c.reason in ("InvalidSpec", "PolicyViolation"):
             continue  # Valid=False already said it
         if old is None and c.status != "True" and (c.type, c.status) not in _BAD and c.type != "ClusterReady":
             continue  # the initial False/Unknown of every condition is noise, not news
@@ -524,6 +579,9 @@ _PROBLEM_REASONS = frozenset(
         "Unschedulable",
         "PodFailed",
         *_EVENT_REASONS,
+        *(reason for _, reason in REFUSAL_REASONS),
+        CREATE_REFUSED,
+        "ChildConflict",
     )
 )
 

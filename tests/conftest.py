@@ -89,7 +89,31 @@ def namespace(request: pytest.FixtureRequest, kube_api: Any) -> Iterator[str]:
     try:
         yield name
     finally:
+        _release_rljobs(kube_api, name)
         core.delete_namespace(name, propagation_policy="Background")
+
+
+def _release_rljobs(kube_api: Any, namespace: str) -> None:
+    """Drop the finalizers of RLJobs left in a test namespace: their operator is gone with the test, and
+    they would keep the namespace Terminating (and reach the next cluster-wide operator)."""
+    from kubernetes import client
+
+    api = client.CustomObjectsApi(kube_api)
+    try:
+        items = api.list_namespaced_custom_object("rlkube.io", "v1alpha1", namespace, "rljobs")["items"]
+        for item in items:
+            if item["metadata"].get("finalizers"):
+                api.patch_namespaced_custom_object(
+                    "rlkube.io",
+                    "v1alpha1",
+                    namespace,
+                    "rljobs",
+                    item["metadata"]["name"],
+                    {"metadata": {"finalizers": None}},
+                )
+        api.delete_collection_namespaced_custom_object("rlkube.io", "v1alpha1", namespace, "rljobs")
+    except client.ApiException:
+        pass  # no RLJob CRD in this cluster, or already gone
 
 
 @pytest.fixture

@@ -23,19 +23,21 @@ def runtime_rbac_name(owner: Owner) -> str:
 
 
 def render_runtime_rbac(owner: Owner, service_account: str) -> RuntimeRbac:
-    """`<name>-runtime`: get on the RLJob and get/patch on its status (progress), nothing else.
+    """`<name>-runtime`: patch on this RLJob's status (the runtime's progress pushes), nothing else.
+
+    The pusher only ever merge-patches ``status.progress``, so no get: what the operator must hold to
+    grant this (RBAC lets it grant only what it has) stays as small as the runtime's need.
 
     The binding names `service_account`, which is `<name>-runtime` unless spec.serviceAccountName
     picks the user's own (the ServiceAccount child is rendered either way).
     """
     name = runtime_rbac_name(owner)
     role_rules = [
-        {"apiGroups": [GROUP], "resources": [PLURAL], "resourceNames": [owner.name], "verbs": ["get"]},
         {
             "apiGroups": [GROUP],
             "resources": [f"{PLURAL}/status"],
             "resourceNames": [owner.name],
-            "verbs": ["get", "patch"],
+            "verbs": ["patch"],
         },
     ]
     return RuntimeRbac(

@@ -1,6 +1,6 @@
 """Push training progress to the RLJob's ``status.progress`` through the status subresource.
 
-In a pod the operator's ServiceAccount may get/patch only this RLJob's status; the pusher uses the
+In a pod the per-RLJob ServiceAccount may only patch this RLJob's status; the pusher uses the
 in-cluster token (or ``KUBECONFIG`` / ``RLKUBE_KUBECONFIG`` on a laptop and in the demo). A push is a
 JSON merge patch of ``status.progress`` alone, so it never clobbers the operator's phase or
 conditions. Failures are logged and never fatal; pushes are rate-limited (``min_interval_s``) except

@@ -192,6 +192,28 @@ BAD: list[tuple[str, dict[str, Any], str]] = [
     ),
 ]
 
+# Refused by the schema itself (patterns), by the API server and by pydantic alike. Issue 11: these were
+# accepted and broke later (an unpullable pod, a 1.5-byte pod, a RoleBinding the API server refuses).
+BAD_SCHEMA: list[tuple[str, dict[str, Any], str]] = [
+    ("image-newline", merge(minimal(), {"image": "rlkube/runtime:1\nrm -rf /"}), "spec.image"),
+    ("image-space", merge(minimal(), {"image": "rlkube/runtime 1"}), "spec.image"),
+    ("memory-milli", merge(minimal(), {"trainer": {"memory": "1500m"}}), "spec.trainer.memory"),
+    ("shm-milli", merge(minimal(), {"rollout": {"shmSize": "16000m"}}), "spec.rollout.shmSize"),
+    ("memory-fraction", merge(minimal(), {"head": {"memory": "0.5"}}), "spec.head.memory"),
+    ("sa-invalid", merge(minimal(), {"serviceAccountName": "Powerful_SA"}), "spec.serviceAccountName"),
+    ("pc-invalid", merge(minimal(), {"priorityClassName": "High Priority"}), "spec.priorityClassName"),
+    (
+        "pvc-invalid",
+        merge(minimal(), {"mounts": [{"name": "m", "mountPath": "/m", "persistentVolumeClaim": "A/B"}]}),
+        "spec.mounts[0].persistentVolumeClaim",
+    ),
+    (
+        "host-path-relative",
+        merge(minimal(), {"mounts": [{"name": "m", "mountPath": "/m", "hostPath": "data"}]}),
+        "spec.mounts[0].hostPath",
+    ),
+]
+
 # Errors only Python reports (the API server has list-map keys or nothing for these).
 BAD_PYTHON_ONLY: list[tuple[str, dict[str, Any], str]] = [
     (

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 import yaml
-from specs import BAD, EXAMPLES, admit_and_render, minimal
+from specs import BAD, BAD_SCHEMA, EXAMPLES, admit_and_render, minimal
 
 from rlkube.devcluster.testing import Kubectl
 
@@ -42,7 +42,7 @@ def test_examples_apply_and_their_children_are_accepted(
     assert done.returncode == 0, done.stderr
 
 
-@pytest.mark.parametrize(("case", "job", "field"), BAD, ids=[c[0] for c in BAD])
+@pytest.mark.parametrize(("case", "job", "field"), BAD + BAD_SCHEMA, ids=[c[0] for c in BAD + BAD_SCHEMA])
 def test_kubectl_apply_refuses_bad_specs_naming_the_field(
     crd: None, kubectl: Kubectl, namespace: str, case: str, job: dict[str, Any], field: str
 ) -> None:
@@ -103,6 +103,36 @@ def test_defaults_immutability_and_columns(crd: None, kubectl: Kubectl, namespac
     assert done.returncode != 0 and "training.mode is immutable" in done.stderr
     done = kubectl("patch", "rlj", "cols", "-n", namespace, "--type=merge", "-p", '{"spec":{"suspend":true}}')
     assert kubectl.json("get", "rlj", "cols", "-n", namespace)["spec"]["suspend"] is True
+
+
+def test_a_running_rljob_changes_only_live_fields_and_everything_else_while_suspended(
+    crd: None, kubectl: Kubectl, namespace: str
+) -> None:
+    """Issue 11: a spec change after creation was accepted and never reached the children."""
+    job = {**minimal(), "metadata": {"name": "edit", "namespace": namespace}}
+    kubectl.apply(job)
+
+    def patch(spec: dict[str, Any]) -> Any:
+        body = json.dumps({"spec": spec})
+        return kubectl("patch", "rlj", "edit", "-n", namespace, "--type=merge", "-p", body, check=False)
+
+    for change in ({"trainer": {"replicas": 2}}, {"image": "rlkube/runtime:2"}, {"env": [{"name": "A"}]}):
+        done = patch(change)
+        assert done.returncode != 0 and "set spec.suspend: true, edit, then set it back" in done.stderr
+    for live in ({"activeDeadlineSeconds": 600}, {"backoffLimit": 2}, {"ttlSecondsAfterFinished": 60}):
+        assert patch(live).returncode == 0
+    done = patch({"suspend": True, "trainer": {"replicas": 2}})
+    assert done.returncode != 0  # suspend first, then edit: the edit must not race a running cluster
+    assert patch({"suspend": True}).returncode == 0
+    assert patch({"trainer": {"replicas": 2}, "image": "rlkube/runtime:2"}).returncode == 0
+    assert patch({"training": {"mode": "separate_async"}}).returncode != 0  # immutable even then
+    assert patch({"suspend": False}).returncode == 0
+    stored = kubectl.json("get", "rlj", "edit", "-n", namespace)["spec"]
+    assert (stored["trainer"]["replicas"], stored["image"], stored["suspend"]) == (
+        2,
+        "rlkube/runtime:2",
+        False,
+    )
 
 
 def test_long_names_are_refused(crd: None, kubectl: Kubectl, namespace: str) -> None:

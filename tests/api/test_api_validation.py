@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 import yaml
-from specs import BAD, BAD_PYTHON_ONLY, EXAMPLES, cpu, minimal, separate
+from pydantic import ValidationError
+from specs import BAD, BAD_PYTHON_ONLY, BAD_SCHEMA, EXAMPLES, cpu, minimal, separate
 
 from rlkube.api import parse_rljob, validate, validate_rljob
 from rlkube.api.validation import RULES, FieldError
@@ -26,6 +27,14 @@ def test_good_specs_pass(job: dict) -> None:
 def test_bad_spec_names_the_field(case: str, job: dict, field: str) -> None:
     errors = validate(parse_rljob(job).spec)
     assert field in [e.field for e in errors], errors
+
+
+@pytest.mark.parametrize(("case", "job", "field"), BAD_SCHEMA, ids=[c[0] for c in BAD_SCHEMA])
+def test_schema_patterns_refuse_what_pods_cannot_take(case: str, job: dict, field: str) -> None:
+    with pytest.raises(ValidationError) as err:
+        parse_rljob(job)
+    locs = [".".join(str(p) for p in e["loc"]) for e in err.value.errors()]
+    assert field.replace("[0]", ".0") in locs, locs
 
 
 def test_megatron_message_is_the_documented_one() -> None:

@@ -90,7 +90,12 @@ class OperatorProcess:
 
 
 def start_operator(
-    kubeconfig: Path, log_dir: Path, *args: str, namespaces: list[str] | None = None, wait: bool = True
+    kubeconfig: Path,
+    log_dir: Path,
+    *args: str,
+    namespaces: list[str] | None = None,
+    wait: bool = True,
+    env: dict[str, str] | None = None,
 ) -> OperatorProcess:
     """Start `rlkube-operator` and wait until its liveness endpoint answers (it has logged in and started)."""
     assert OPERATOR_BIN.is_file(), f"{OPERATOR_BIN} missing: run `bash .ci/python-env.sh`"
@@ -106,7 +111,7 @@ def start_operator(
     ]
     if "--peering" not in " ".join(args):
         argv.append("--standalone")
-    env = {**os.environ, "KUBECONFIG": str(kubeconfig), "PYTHONSAFEPATH": "1"}
+    env = {**os.environ, **(env or {}), "KUBECONFIG": str(kubeconfig), "PYTHONSAFEPATH": "1"}
     log_dir.mkdir(parents=True, exist_ok=True)
     log_path = log_dir / f"operator-{mport}.log"
     out = log_path.open("wb")
@@ -142,8 +147,11 @@ def operator_factory(
         namespaces: list[str] | None = None,
         kubeconfig_path: Path | None = None,
         wait: bool = True,
+        env: dict[str, str] | None = None,
     ) -> OperatorProcess:
-        op = start_operator(kubeconfig_path or kubeconfig, tmp_path, *args, namespaces=namespaces, wait=wait)
+        op = start_operator(
+            kubeconfig_path or kubeconfig, tmp_path, *args, namespaces=namespaces, wait=wait, env=env
+        )
         started.append(op)
         return op
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,3 +55,21 @@ def condition(obj: dict[str, Any], type_: str) -> dict[str, Any]:
 def events_for(kubectl: Kubectl, ns: str, name: str) -> list[dict[str, Any]]:
     out = kubectl.json("-n", ns, "get", "events", "--field-selector", f"involvedObject.name={name}")
     return list(out.get("items") or [])
+
+
+def apply(kubectl: Kubectl, ns: str, body: dict[str, Any]) -> None:
+    kubectl("-n", ns, "apply", "-f", "-", input=yaml.safe_dump(body))
+
+
+def cond_is(kubectl: Kubectl, ns: str, name: str, type_: str, status: str, reason: str | None = None) -> Any:
+    """A wait_for check: the condition, once it has this status (and reason)."""
+
+    def check() -> dict[str, Any] | None:
+        c = condition(rljob(kubectl, ns, name), type_)
+        return c if c.get("status") == status and (reason is None or c.get("reason") == reason) else None
+
+    return check
+
+
+def describe(kubectl: Kubectl, ns: str, name: str) -> Callable[[], Any]:
+    return lambda: rljob(kubectl, ns, name)

@@ -9,7 +9,16 @@ from __future__ import annotations
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from rlkube.operator.status import Observed, condition_dict, derive, operator_status_view, transitions
+import pytest
+
+from rlkube.operator.status import (
+    Observed,
+    Problem,
+    condition_dict,
+    derive,
+    operator_status_view,
+    transitions,
+)
 
 NOW = datetime(2026, 1, 1, 12, 0, 0, tzinfo=UTC)
 
@@ -250,7 +259,66 @@ def test_quota_event_surfaces_when_no_pod_exists() -> None:
         "involvedObject": {"kind": "RayCluster", "name": "j-abcde"},
     }
     d = derive(obs(ray_job=ray_job(), ray_cluster=cluster(), events=[ev]), now=NOW)
-    assert d.reason == "FailedCreate" and "exceeded quota" in d.message
+    assert d.reason == "QuotaExceeded" and "FailedCreate: " in d.message and "exceeded quota" in d.message
+
+
+@pytest.mark.parametrize(
+    ("message", "reason"),
+    [
+        (
+            'pods "j-head-x" is forbidden: exceeded quota: q, requested: pods=1, limited: pods=0',
+            "QuotaExceeded",
+        ),
+        (
+            'pods "j-head-x" is forbidden: violates PodSecurity "restricted:latest": privileged',
+            "PodSecurityRefused",
+        ),
+        ('pods "j-head-x" is forbidden: no PriorityClass with name gold was found', "PriorityClassNotFound"),
+        ('Pod "j-head-x" is invalid: spec.nodeSelector: Invalid value: "a b"', "InvalidPodSpec"),
+        ("admission webhook x denied request: no", "AdmissionRefused"),
+        ("something else", "CreateRefused"),
+    ],
+)
+def test_a_refused_pod_reaches_the_rljob_with_the_api_message_and_an_alertable_reason(
+    message: str, reason: str
+) -> None:
+    """KubeRay's ReplicaFailure condition (set when the API server refuses a pod) and its events."""
+    refused = cluster()
+    refused["status"]["conditions"] = [
+        {"type": "ReplicaFailure", "status": "True", "reason": "FailedCreateHeadPod", "message": message}
+    ]
+    d = derive(obs(ray_job=ray_job(), ray_cluster=refused), now=NOW)
+    assert (d.phase, d.reason) == ("Provisioning", reason)
+    assert message in d.message and "FailedCreateHeadPod" in d.message
+    (tr,) = [t for t in transitions(None, d) if t.reason == reason]
+    assert tr.type == "Warning"
+    ev = {
+        "type": "Warning",
+        "reason": "FailedToCreateWorkerPod",
+        "message": message,
+        "involvedObject": {"kind": "RayCluster", "name": "j-abcde"},
+    }
+    d = derive(obs(ray_job=ray_job(), ray_cluster=cluster(), events=[ev]), now=NOW)
+    assert d.reason == reason and message in d.message
+
+
+def test_a_policy_refusal_is_valid_false_policy_violation() -> None:
+    msg = 'spec.serviceAccountName: "x" is not allowed by the rlkube admin policy (default: ...)'
+    d = derive(obs(validation_errors=[msg], validation_reason="PolicyViolation"), now=NOW)
+    assert (d.phase, d.reason) == ("Failed", "PolicyViolation")
+    assert conds(d)["Valid"] == ("False", "PolicyViolation", msg)
+    assert [t.reason for t in transitions(None, d) if t.type == "Warning"] == [
+        "PolicyViolation",
+        "PhaseFailed",
+    ]
+
+
+def test_children_not_written_say_why_on_cluster_ready() -> None:
+    problem = Problem("ChildConflict", "ConfigMap victim-config exists (no owner): not created by this RLJob")
+    d = derive(obs(child_problem=problem), now=NOW)
+    assert (d.phase, d.reason) == ("Pending", "ChildConflict")
+    assert conds(d)["ClusterReady"] == ("False", "ChildConflict", problem.message)
+    assert any(t.type == "Warning" and t.reason == "ChildConflict" for t in transitions(None, d))
 
 
 def test_deadline_exceeded_is_failed_with_kuberays_message() -> None:

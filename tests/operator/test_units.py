@@ -86,3 +86,14 @@ def test_cache_links_pods_and_events_to_their_rljob_in_any_arrival_order() -> No
     )
     c.put_pod(pod, deleted=True)
     assert c.children_of(key)[2] == []
+
+
+def test_request_verbs_are_the_api_servers_own() -> None:
+    from rlkube.operator.kube import request_verb
+
+    assert request_verb("GET", "/apis/ray.io/v1/namespaces/ns/rayjobs", "") == "LIST"
+    assert request_verb("GET", "/apis/ray.io/v1/rayjobs", "labelSelector=x") == "LIST"
+    assert request_verb("GET", "/apis/ray.io/v1/namespaces/ns/rayjobs", "watch=true") == "WATCH"
+    assert request_verb("GET", "/apis/ray.io/v1/namespaces/ns/rayjobs/x", "") == "GET"
+    assert request_verb("GET", "/api/v1/namespaces/ns", "") == "GET"
+    assert request_verb("PATCH", "/apis/rlkube.io/v1alpha1/namespaces/ns/rljobs/x/status", "") == "PATCH"

@@ -25,6 +25,7 @@ from rlkube.devcluster.realpods import (
     OPERATOR_IMAGE,
     REAL_NODE_TOLERATION,
     RUNTIME_IMAGE,
+    HostDirs,
     install_operator,
     load_images,
     poll,
@@ -104,6 +105,8 @@ def realpods(devcluster: TestCluster, kubectl: Kubectl) -> Iterator[RealPods]:
             release=RELEASE,
             watch_namespaces=[namespace],
             image_digest=digests[OPERATOR_IMAGE],
+            # The admin's opt-in for exactly what these RLJobs mount: the task read-only, outputs writable.
+            host_dirs=HostDirs(read=(str(WORK_DIR),), write=(str(OUTPUT_DIR),)),
         )
         yield RealPods(kubectl, OPERATOR_NAMESPACE, RELEASE, namespace)
     finally:

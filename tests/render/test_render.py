@@ -269,12 +269,11 @@ def test_runtime_rbac_reaches_only_this_rljob_status() -> None:
     assert ch.service_account["metadata"]["name"] == "job-runtime"
     rules = ch.role["rules"]
     assert rules == [
-        {"apiGroups": ["rlkube.io"], "resources": ["rljobs"], "resourceNames": ["job"], "verbs": ["get"]},
         {
             "apiGroups": ["rlkube.io"],
             "resources": ["rljobs/status"],
             "resourceNames": ["job"],
-            "verbs": ["get", "patch"],
+            "verbs": ["patch"],
         },
     ]
     binding = ch.role_binding
@@ -376,6 +375,16 @@ def test_long_names_that_share_a_prefix_get_different_rayjobs() -> None:
     job = minimal()
     job["metadata"]["name"] = a
     assert render(job).ray_job["metadata"]["name"] == ray_job_name(a)
+
+
+def test_no_rljob_can_be_named_after_another_ones_hashed_rayjob() -> None:
+    """Issue 12: RLJob `col.a` got RayJob `col-a-392f9a72`; an RLJob literally named that took it over."""
+    hashed = ray_job_name("col.a")
+    assert hashed != "col.a" and re.fullmatch(r"col-a-[0-9a-f]{16}", hashed)
+    assert ray_job_name(hashed) != hashed  # the look-alike is hashed in turn, to a different name
+    assert ray_job_name("col-a-392f9a72") == "col-a-392f9a72"  # 8 hex is no hash of ours: kept as is
+    names = ["col.a", "col-a", hashed, "col..a", "col-a.b", "9col", "r-9col"]
+    assert len({ray_job_name(n) for n in names}) == len(names)
 
 
 def test_cpu_overcommit_and_head_placement_reach_the_submitter_too() -> None:
