@@ -1,6 +1,7 @@
 """The admin policy's Python enforcer (no cluster): what it refuses, in which words, and that the chart's
 defaults and generated admission validations are the ones this module defines. The same specs meet the
-real admission policy in tests/chart/test_policy_admission.py."""
+real admission policy in tests/chart/test_chart_security.py
+(test_admission_and_operator_enforce_the_same_policy_in_the_same_words)."""
 
 from __future__ import annotations
 
