@@ -78,6 +78,14 @@ def _broadcast_worker(rank: int, init_file: str, out: Any) -> None:
         except WeightSyncError:
             results.append(all(torch.equal(before[k], receiver.state[k]) for k in before))
         out.put(results)
+    _leave()
+
+
+def _leave() -> None:
+    """Both ranks finish their traffic before either tears the group down (a rank that destroyed
+    its group while the peer still had work in flight aborted the peer: SIGABRT, 'terminate called
+    without an active exception', once in a CI run)."""
+    dist.barrier()
     dist.destroy_process_group()
 
 
@@ -106,7 +114,7 @@ def _gather_worker(rank: int, init_file: str, out: Any) -> None:
             results.append(all(torch.equal(engine[k], full[k]) for k in full))
     if rank == 0:
         out.put(results)
-    dist.destroy_process_group()
+    _leave()
 
 
 def _run(worker: Any) -> list[bool]:
