@@ -8,9 +8,10 @@ import logging
 import math
 import sys
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
+
+from rlkube.api.contract import now_rfc3339
 
 log = logging.getLogger(__name__)
 
@@ -134,7 +135,7 @@ class TerminalSink:
         if self._progress is not None:
             self._progress.update(self._task, completed=step, description=self._line(metrics))
         else:
-            now = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+            now = now_rfc3339()
             print(f"{now} step {step}/{self.total} {self._line(metrics)}", file=self.stream, flush=True)
 
     def close(self) -> None:
