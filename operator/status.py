@@ -51,6 +51,9 @@ _KUBERAY_CREATE_REASONS = (
 # The API server's refusal of a pod (or any object), as a reason users can alert on: first match wins.
 REFUSAL_REASONS: tuple[tuple[str, str], ...] = (
     ("exceeded quota", "QuotaExceeded"),
+    # A ResourceQuota whose usage the quota controller has not computed yet refuses every object it
+    # counts ("status unknown for quota: q"); the user's remedy is the same quota.
+    ("status unknown for quota", "QuotaExceeded"),
     ("violates PodSecurity", "PodSecurityRefused"),
     ("no PriorityClass with name", "PriorityClassNotFound"),
     ("is invalid", "InvalidPodSpec"),

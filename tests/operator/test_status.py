@@ -269,6 +269,10 @@ def test_quota_event_surfaces_when_no_pod_exists() -> None:
             'pods "j-head-x" is forbidden: exceeded quota: q, requested: pods=1, limited: pods=0',
             "QuotaExceeded",
         ),
+        (  # a quota created just before: the quota controller has not computed its usage yet
+            'pods "j-head-x" is forbidden: status unknown for quota: q, resources: pods',
+            "QuotaExceeded",
+        ),
         (
             'pods "j-head-x" is forbidden: violates PodSecurity "restricted:latest": privileged',
             "PodSecurityRefused",
