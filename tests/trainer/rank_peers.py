@@ -41,6 +41,23 @@ class PipePeer:
         self.conn.send(None)
 
 
+def run_ranks(procs: list[Any], out: Any, timeout_s: float = 600.0) -> Any:
+    """Start the rank processes and return what rank 0 puts on ``out``; every process must exit 0,
+    and none outlives the call (a hung rank is killed, so a failure never leaves processes behind)."""
+    for p in procs:
+        p.start()
+    try:
+        result = out.get(timeout=timeout_s)
+        for p in procs:
+            p.join(timeout=60)
+        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
+        return result
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+
+
 def join_world(rank: int, world: int, port: int) -> None:
     from rlkube.runtime.distributed.groups import Rendezvous, init_trainer_world
 

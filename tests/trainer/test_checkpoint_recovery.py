@@ -146,7 +146,7 @@ def test_a_damaged_rank_shard_falls_back_on_every_rank(tmp_path: Path, tiny_task
 
     from rlkube.runtime.distributed.groups import free_port
 
-    from .rank_peers import serve_learner
+    from .rank_peers import run_ranks, serve_learner
 
     job = write_job(
         tmp_path / "job.yaml",
@@ -163,17 +163,7 @@ def test_a_damaged_rank_shard_falls_back_on_every_rank(tmp_path: Path, tiny_task
         ctx.Process(target=_two_ranks_save_damage_load, args=(port, str(job), str(root), a, out)),
         ctx.Process(target=serve_learner, args=(1, 2, port, str(job), b)),
     ]
-    for p in procs:
-        p.start()
-    try:
-        step, diff = out.get(timeout=600)
-        for p in procs:
-            p.join(timeout=60)
-        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+    step, diff = run_ranks(procs, out)
     assert step == 1
     assert diff[1] == 0.0 and diff[2] > 0  # step 1's weights on both ranks, not step 2's
     assert sorted(p.name for p in root.iterdir()) == ["corrupt-step-000002", "step-000001"]

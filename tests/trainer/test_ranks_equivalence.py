@@ -21,7 +21,7 @@ import torch
 from rlkube.runtime.distributed.groups import free_port
 
 from .conftest import write_job
-from .rank_peers import PipePeer, fixed_samples, full_weights, join_world, serve_learner
+from .rank_peers import PipePeer, fixed_samples, full_weights, join_world, run_ranks, serve_learner
 
 GROUPS, GROUP_SIZE = 4, 4
 UNEVEN_SIZES = [4, 3, 4, 1]  # samples kept per group when some rewards were not finite
@@ -64,18 +64,8 @@ def _train(
         ctx.Process(target=serve_learner, args=(k + 1, world, port, str(job_path), b))
         for k, (_, b) in enumerate(pipes)
     ]
-    for p in procs:
-        p.start()
-    try:
-        m, weights = out.get(timeout=600)
-        for p in procs:
-            p.join(timeout=60)
-        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-        return m, {k: torch.from_numpy(v) for k, v in weights.items()}
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
+    m, weights = run_ranks(procs, out)
+    return m, {k: torch.from_numpy(v) for k, v in weights.items()}
 
 
 CASES = {
