@@ -35,7 +35,16 @@ import yaml
 from .binaries import REPO_ROOT, Binaries, find_binaries
 from .errors import DevClusterError
 from .kubeapi import ApiError, KubeApi, bearer_kubeconfig
-from .node import DNS_SERVICE_IP, NODE_IP, NODE_NAME, RealNode, mode_from_env, node_binaries, why_not
+from .node import (
+    DNS_SERVICE_IP,
+    NODE_IP,
+    NODE_NAME,
+    RealNode,
+    holder_state_dir,
+    mode_from_env,
+    node_binaries,
+    why_not,
+)
 from .nodes import KWOK_ANNOTATION, MANAGED_LABEL, node_manifests
 
 # kwok Stage files (upstream defaults, cached by build.sh) this cluster does not load: see _start().
@@ -841,15 +850,20 @@ class DevCluster:
         state = self.read_state()
         comps = [Component(**c) for c in state["components"]] if state else []
         node_state = (state or {}).get("real_node") or {}
-        if node_state.get("enabled"):
+        # The node is this cluster's to tear down unless another cluster holds it now: this one's
+        # processes died (a killed session) and a later `up` took the free node over.
+        holder = holder_state_dir() if node_state.get("enabled") else None
+        node_ours = bool(node_state.get("enabled")) and holder in (None, self.state_dir)
+        if node_ours:
             # The kubelet first (it would restart containers), then every container while
             # containerd still runs, then the processes, then what the node left on the host.
             self._terminate([c for c in comps if c.name == "kubelet"])
             RealNode.stop_containers()
         stopped = self._terminate(comps)
-        if node_state.get("enabled"):
+        if node_ours:
             RealNode.teardown(node_state.get("sysctls") or {})
-        ports = [p for c in comps for p in c.ports]
+        # Only the ports of processes that were alive: a dead cluster's ports may be another's now.
+        ports = [p for c in comps if c.name in stopped for p in c.ports]
         deadline = time.monotonic() + 5
         while (still := listening_ports(ports)) and time.monotonic() < deadline:
             time.sleep(0.1)

@@ -120,6 +120,23 @@ def lock_holder() -> str:
     return f"the cluster in {info.get('state_dir', '?')} (pid {info.get('pid', '?')})"
 
 
+def holder_state_dir() -> Path | None:
+    """The state dir of the cluster whose node holds the machine-wide lock now; None if it is free."""
+    try:
+        with LOCK_FILE.open("a") as f:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(f, fcntl.LOCK_UN)
+            return None
+    except OSError as err:
+        if err.errno not in (errno.EAGAIN, errno.EACCES):
+            raise DevClusterError(f"cannot open {LOCK_FILE}: {err}") from err
+    try:
+        info = json.loads(LOCK_FILE.read_text() or "{}")
+    except (OSError, ValueError):
+        info = {}
+    return Path(info.get("state_dir") or "?")
+
+
 def why_not(state_dir: Path) -> str | None:
     """None if this machine can run the real node now, else one line saying why not."""
     if os.name != "posix" or os.geteuid() != 0:
@@ -303,13 +320,9 @@ class RealNode:
 
         Returns the sysctl values to restore (saved in state.json too, so a later `down` restores them).
         """
-        saved_file = RUN_DIR / "sysctls.json"
-        if saved_file.is_file():  # a crashed earlier node: its recorded originals are the true ones
-            saved = json.loads(saved_file.read_text())
-            self.teardown(saved)
-        else:
-            self.teardown({})
+        self.clear_crashed_run()
         saved = read_sysctls()
+        saved_file = RUN_DIR / "sysctls.json"
         RUN_DIR.mkdir(parents=True, exist_ok=True)
         saved_file.write_text(json.dumps(saved))
         for sub in ("cni/net.d", "certs", "kubelet", "logs"):
@@ -569,6 +582,20 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         listed = ctr("containers", "ls", "-q")
         for container in listed.stdout.split() if listed.returncode == 0 else []:
             ctr("containers", "rm", container)
+
+    @staticmethod
+    def clear_crashed_run() -> list[str]:
+        """Remove what a node whose processes died (a killed session, a crash) left on the host.
+
+        Only for a free node: the caller holds the lock, or has seen that no one does. The sysctls
+        the dead node recorded at its start are the machine's true originals, so they are restored.
+        """
+        saved_file = RUN_DIR / "sysctls.json"
+        try:
+            saved = json.loads(saved_file.read_text()) if saved_file.is_file() else {}
+        except (OSError, ValueError):
+            saved = {}
+        return RealNode.teardown(saved)
 
     @staticmethod
     def teardown(saved_sysctls: dict[str, str]) -> list[str]:

@@ -1,13 +1,19 @@
-"""The real node: a container really runs, and `down` leaves nothing on the host.
+"""The real node: a container really runs, `down` leaves nothing on the host, and a node whose
+processes were killed (a session stopped mid-run) is cleared by the next `up` without touching a
+node another cluster runs.
 
-Runs first in a session (tests/conftest.py orders it), with its own cluster: the machine has one
+Runs first in a session (tests/conftest.py orders it), with its own clusters: the machine has one
 real node, so a cluster left in this checkout's default state dir with no live user (e.g. by
-`make demo`) is stopped first; the session's cluster starts again when a later test needs it.
+`make demo`) is stopped first, and what a killed earlier run left is cleared before the host is
+read; the session's cluster starts again when a later test needs it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -59,53 +65,66 @@ def host_snapshot() -> dict[str, object]:
 
 
 def _free_the_real_node() -> None:
-    """Stop this checkout's idle cluster if it holds the machine's real node; else fail saying who does."""
+    """Stop this checkout's idle cluster if it holds the machine's real node, else fail saying who
+    does; then clear what a killed earlier node left (the host as it was before that node)."""
     reason = real.why_not(Path("."))
-    if reason is None or "in use by" not in reason:
-        return
-    default = DevCluster(default_state_dir())
-    state = default.read_state() or {}
-    users = (
-        [u for u in (default.state_dir / "users").glob("*")] if (default.state_dir / "users").is_dir() else []
-    )
-    live = [
-        u
-        for u in users
-        if u.read_text().strip().isdigit() and Path(f"/proc/{u.read_text().strip()}").exists()
-    ]
-    if (state.get("real_node") or {}).get("enabled") and not live:
+    if reason is not None and "in use by" in reason:
+        default = DevCluster(default_state_dir())
+        state = default.read_state() or {}
+        users_dir = default.state_dir / "users"
+        users = list(users_dir.glob("*")) if users_dir.is_dir() else []
+        live = [
+            u
+            for u in users
+            if u.read_text().strip().isdigit() and Path(f"/proc/{u.read_text().strip()}").exists()
+        ]
+        if not (state.get("real_node") or {}).get("enabled") or live:
+            pytest.fail(f"the real node lifecycle test needs this machine's real node, but {reason}", False)
         default.down()
-        return
-    pytest.fail(f"the real node lifecycle test needs this machine's real node, but {reason}", pytrace=False)
+    assert real.holder_state_dir() is None
+    real.RealNode.clear_crashed_run()
+
+
+def _real_node_cluster(state_dir: Path) -> DevCluster:
+    return DevCluster(state_dir, ClusterConfig(gpu_nodes=1, kuberay=False, real_node="on", timeout_s=300))
+
+
+def _run_sandbox_pod(cluster: DevCluster) -> dict:
+    """Start the cluster, run the pause image on the real node; the Running pod."""
+    cluster.up()
+    kubectl = Kubectl(cluster.kubeconfig)
+    kubectl.apply(
+        {
+            "apiVersion": "v1",
+            "kind": "Pod",
+            "metadata": {"name": "sandbox", "namespace": "default"},
+            "spec": {
+                "nodeSelector": {real.REAL_NODE_LABEL: "true"},
+                "tolerations": [{"key": real.REAL_NODE_LABEL, "operator": "Exists"}],
+                "containers": [{"name": "c", "image": real.SANDBOX_IMAGE, "imagePullPolicy": "Never"}],
+            },
+        }
+    )
+
+    def running() -> dict | None:
+        pod = kubectl.json("get", "pod", "sandbox")
+        return pod if pod["status"].get("phase") == "Running" else None
+
+    return wait_for(running, 120, lambda: kubectl.json("get", "pod", "sandbox"), what="the pod Running")
+
+
+def _assert_host_restored(before: dict[str, object], took: float) -> None:
+    after = host_snapshot()
+    for key in before:
+        assert after[key] == before[key], f"{key} changed by up + down (down took {took:.0f} s)"
 
 
 def test_a_real_pod_runs_and_cluster_down_leaves_nothing_behind(tmp_path: Path) -> None:
     _free_the_real_node()
     before = host_snapshot()
-    cluster = DevCluster(
-        tmp_path / "c", ClusterConfig(gpu_nodes=1, kuberay=False, real_node="on", timeout_s=300)
-    )
+    cluster = _real_node_cluster(tmp_path / "c")
     try:
-        cluster.up()
-        kubectl = Kubectl(cluster.kubeconfig)
-        kubectl.apply(
-            {
-                "apiVersion": "v1",
-                "kind": "Pod",
-                "metadata": {"name": "sandbox", "namespace": "default"},
-                "spec": {
-                    "nodeSelector": {real.REAL_NODE_LABEL: "true"},
-                    "tolerations": [{"key": real.REAL_NODE_LABEL, "operator": "Exists"}],
-                    "containers": [{"name": "c", "image": real.SANDBOX_IMAGE, "imagePullPolicy": "Never"}],
-                },
-            }
-        )
-
-        def running() -> dict | None:
-            pod = kubectl.json("get", "pod", "sandbox")
-            return pod if pod["status"].get("phase") == "Running" else None
-
-        pod = wait_for(running, 120, lambda: kubectl.json("get", "pod", "sandbox"), what="the pod Running")
+        pod = _run_sandbox_pod(cluster)
         assert pod["spec"]["nodeName"] == real.NODE_NAME
         assert pod["status"]["podIP"].startswith("10.250.0.")
         # A real process in a real cgroup: the kubelet's pod cgroup holds the pause process.
@@ -120,6 +139,48 @@ def test_a_real_pod_runs_and_cluster_down_leaves_nothing_behind(tmp_path: Path) 
         t0 = time.monotonic()
         cluster.down()
         took = time.monotonic() - t0
-    after = host_snapshot()
-    for key in before:
-        assert after[key] == before[key], f"{key} changed by up + down (down took {took:.0f} s)"
+    _assert_host_restored(before, took)
+
+
+def _kill_like_a_stopped_session(cluster: DevCluster) -> None:
+    """SIGKILL every process the cluster started, its containers' shims and the containers, as
+    when the session running it is stopped: no `down` runs, the kernel keeps the mounts."""
+    state = json.loads((cluster.state_dir / "state.json").read_text())
+    for comp in state["components"]:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(comp["pid"], signal.SIGKILL)
+    for pid in real._shim_pids() | real._pids_in_cgroups("kubepods"):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: real.holder_state_dir() is None, 30, what="the lock freed by the dead node")
+
+
+def test_a_killed_node_is_cleared_by_the_next_up_and_its_stale_down_spares_the_new_node(
+    tmp_path: Path,
+) -> None:
+    _free_the_real_node()
+    before = host_snapshot()
+    crashed = _real_node_cluster(tmp_path / "crashed")
+    fresh = _real_node_cluster(tmp_path / "fresh")
+    try:
+        _run_sandbox_pod(crashed)
+        _kill_like_a_stopped_session(crashed)
+        left = host_snapshot()
+        assert left["mounts"] != before["mounts"] and left["links"] != before["links"], "no leftovers"
+        # The next `up` clears the dead node's pods, mounts, bridge and rules and runs a pod.
+        pod = _run_sandbox_pod(fresh)
+        kubectl = Kubectl(fresh.kubeconfig)
+        # `down` of the dead cluster's stale state must not tear down the node the fresh one runs.
+        crashed.down()
+        assert real.holder_state_dir() == fresh.state_dir
+        still = kubectl.json("get", "pod", "sandbox")
+        assert still["metadata"]["uid"] == pod["metadata"]["uid"] and still["status"]["phase"] == "Running"
+        assert Path(f"/sys/class/net/{real.BRIDGE}").exists()
+    finally:
+        t0 = time.monotonic()
+        try:
+            crashed.down()
+        finally:
+            fresh.down()
+        took = time.monotonic() - t0
+    _assert_host_restored(before, took)
