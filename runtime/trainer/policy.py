@@ -17,6 +17,7 @@ from torch import Tensor, nn
 
 from rlkube.runtime.algos import (
     POLICY_LOSSES,
+    PolicyLossMetrics,
     aggregate_loss,
     entropy_from_logits,
     kl_penalty,
@@ -189,62 +190,25 @@ class PolicyWorker(TrainWorker):
         mini = mini.to(self.device)
         acc: dict[str, Tensor] = {}
         ratio_max: Tensor | None = None
-        policy_loss = POLICY_LOSSES[cfg.policy_loss]
         # The counts above are divided by the world size to undo the ranks' gradient averaging; a
         # token-sum has no count, so its gradient is scaled back up instead.
         sum_scale = float(self.world_size) if cfg.agg_mode == "token-sum" else 1.0
-        for weight, mb in zip(weights, micro_batches(mini, self.micro_batch_size), strict=True):
-            with self.autocast():
+        agg = {"global_tokens": g_tokens, "global_seqs": g_seqs, "norm_constant": cfg.norm_constant}
+        # One autocast context over every micro-batch: each fp32 master weight is cast to bf16 once
+        # per optimiser step, not once per micro-batch (autocast's cast cache lives as long as the
+        # outermost context). The loss and the backward pass run with autocast paused, as before.
+        with self.autocast():
+            for weight, mb in zip(weights, micro_batches(mini, self.micro_batch_size), strict=True):
                 logits = response_logits(self.model, mb, cfg.temperature)
-            logp = logprobs_from_logits(logits, mb.responses)
-            mask = mb.response_mask
-            old_logp = mb.extras.get("old_logp")
-            if old_logp is None:  # one epoch x one mini-batch: pi_old is these weights (ratio == 1)
-                old_logp = logp.detach()
-                if kept is not None:
-                    kept.append(old_logp.float())
-            agg = {"global_tokens": g_tokens, "global_seqs": g_seqs, "norm_constant": cfg.norm_constant}
-            pg, m = policy_loss(
-                logp,
-                old_logp,
-                mb.extras["advantages"],
-                mask,
-                clip_low=cfg.clip_low,
-                clip_high=cfg.clip_high,
-                clip_c=cfg.clip_c,
-                agg_mode=cfg.agg_mode,
-                is_weights=mb.extras.get("rollout_is_weights"),
-                **agg,
-            )
-            loss = pg
-            if cfg.entropy_coeff > 0:
-                ent = entropy_from_logits(logits)
-                ent_val = masked_mean(ent.detach(), mask)
-                ent_loss = aggregate_loss(ent, mask, cfg.agg_mode, **agg)
-                loss = loss - cfg.entropy_coeff * ent_loss
-            else:  # metric only: no autograd graph over the [b, T, V] float32 temporaries
-                with torch.no_grad():
-                    ent_val = masked_mean(entropy_from_logits(logits.detach()), mask)
-            weighted: dict[str, Tensor] = {
-                "actor/entropy": ent_val,
-                "actor/clip_frac": m.clip_frac,
-                "actor/clip_frac_upper": m.clip_frac_upper,
-                "actor/clip_frac_lower": m.clip_frac_lower,
-                "actor/dual_clip_frac": m.dual_clip_frac,
-                "actor/approx_kl": m.approx_kl,
-            }
-            if cfg.use_kl_loss and "ref_logp" in mb.extras:
-                kl = kl_penalty(logp, mb.extras["ref_logp"], cfg.kl_loss_type)
-                kl_loss = aggregate_loss(kl, mask, cfg.agg_mode, **agg)
-                loss = loss + cfg.kl_loss_coef * kl_loss
-                weighted["actor/kl_loss"] = masked_mean(kl.detach(), mask)
-            (loss * sum_scale).backward()
-            # micro losses already sum to the mini-batch loss; the rest are token-weighted means
-            accumulate(acc, "actor/pg_loss", pg.detach().float())
-            for k, v in weighted.items():
-                accumulate(acc, k, v.detach().float() * weight)
-            r = m.ratio_max.detach().float()
-            ratio_max = r if ratio_max is None else torch.maximum(ratio_max, r)
+                with self.autocast_off():
+                    loss, pg, weighted, m = self._micro_loss(mb, logits, cfg, agg, kept)
+                    (loss * sum_scale).backward()
+                    # micro losses already sum to the mini-batch loss; the rest are token-weighted means
+                    accumulate(acc, "actor/pg_loss", pg.detach().float())
+                    for k, v in weighted.items():
+                        accumulate(acc, k, v.detach().float() * weight)
+                    r = m.ratio_max.detach().float()
+                    ratio_max = r if ratio_max is None else torch.maximum(ratio_max, r)
         # Over ranks: the loss is averaged (each rank's is scaled for the global batch), the rest
         # weighted by each rank's tokens, the ratio maxed.
         pg_loss = acc.pop("actor/pg_loss") * sum_scale  # token-sum: the ranks' losses add up
@@ -257,6 +221,59 @@ class PolicyWorker(TrainWorker):
         out["actor/grad_norm"] = self._clip_and_step()
         out["actor/lr"] = float(self.optimizer.param_groups[0]["lr"])
         return out
+
+    def _micro_loss(
+        self,
+        mb: Batch,
+        logits: Tensor,
+        cfg: LossConfig,
+        agg: dict[str, float],
+        kept: list[Tensor] | None,
+    ) -> tuple[Tensor, Tensor, dict[str, Tensor], PolicyLossMetrics]:
+        """One micro-batch's loss (policy loss, entropy bonus, KL loss), its policy-loss part, the
+        token-weighted metrics and the policy loss's own metrics."""
+        logp = logprobs_from_logits(logits, mb.responses)
+        mask = mb.response_mask
+        old_logp = mb.extras.get("old_logp")
+        if old_logp is None:  # one epoch x one mini-batch: pi_old is these weights (ratio == 1)
+            old_logp = logp.detach()
+            if kept is not None:
+                kept.append(old_logp.float())
+        pg, m = POLICY_LOSSES[cfg.policy_loss](
+            logp,
+            old_logp,
+            mb.extras["advantages"],
+            mask,
+            clip_low=cfg.clip_low,
+            clip_high=cfg.clip_high,
+            clip_c=cfg.clip_c,
+            agg_mode=cfg.agg_mode,
+            is_weights=mb.extras.get("rollout_is_weights"),
+            **agg,
+        )
+        loss = pg
+        if cfg.entropy_coeff > 0:
+            ent = entropy_from_logits(logits)
+            ent_val = masked_mean(ent.detach(), mask)
+            ent_loss = aggregate_loss(ent, mask, cfg.agg_mode, **agg)
+            loss = loss - cfg.entropy_coeff * ent_loss
+        else:  # metric only: no autograd graph over the [b, T, V] float32 temporaries
+            with torch.no_grad():
+                ent_val = masked_mean(entropy_from_logits(logits.detach()), mask)
+        weighted: dict[str, Tensor] = {
+            "actor/entropy": ent_val,
+            "actor/clip_frac": m.clip_frac,
+            "actor/clip_frac_upper": m.clip_frac_upper,
+            "actor/clip_frac_lower": m.clip_frac_lower,
+            "actor/dual_clip_frac": m.dual_clip_frac,
+            "actor/approx_kl": m.approx_kl,
+        }
+        if cfg.use_kl_loss and "ref_logp" in mb.extras:
+            kl = kl_penalty(logp, mb.extras["ref_logp"], cfg.kl_loss_type)
+            kl_loss = aggregate_loss(kl, mask, cfg.agg_mode, **agg)
+            loss = loss + cfg.kl_loss_coef * kl_loss
+            weighted["actor/kl_loss"] = masked_mean(kl.detach(), mask)
+        return loss, pg, weighted, m
 
     def _clip_and_step(self) -> float:
         assert self.optimizer is not None

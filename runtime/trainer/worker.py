@@ -102,8 +102,18 @@ class TrainWorker:
         self.replicate = replicate  # HSDP replica groups (pods); 1: plain FSDP2 over every rank
 
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """bf16 autocast for one rank (FSDP2 casts for several). Autocast keeps each fp32 weight's
+        bf16 cast until its outermost context exits, so a context held over several forward passes
+        casts every weight once, not once per pass."""
         if self.bf16 and self.world_size == 1:
             return torch.autocast(device_type=self.device.type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def autocast_off(self) -> contextlib.AbstractContextManager[Any]:
+        """Autocast paused inside :meth:`autocast` (loss maths and backward in their own dtypes)
+        without ending the outer context, whose weight casts stay cached."""
+        if self.bf16 and self.world_size == 1:
+            return torch.autocast(device_type=self.device.type, enabled=False)
         return contextlib.nullcontext()
 
     def _wrap(self, model: nn.Module) -> nn.Module:

@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlkube.runtime.trainer.batch import Sample, collate
 from rlkube.runtime.trainer.checkpoint import list_checkpoints, load_latest, save_checkpoint
@@ -148,3 +149,52 @@ def test_status_pusher_merge_patches_progress_rate_limited_and_never_raises() ->
     bad = StatusPusher("job", "ns", min_interval_s=0, api=_FakeApi(fail=True))
     assert bad.push(prog) is False and bad.failures == 1
     assert StatusPusher(None, None).push(prog) is False  # outside a cluster: disabled
+
+
+class _ParamCasts(TorchDispatchMode):
+    """Counts bf16 casts of the given parameters (autocast's weight casts), by storage."""
+
+    def __init__(self, params: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.ptrs = {p.data_ptr() for p in params}
+        self.count = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        cast = func is torch.ops.aten._to_copy.default and kwargs.get("dtype") == torch.bfloat16
+        if cast and args[0].data_ptr() in self.ptrs:
+            self.count += 1
+        return func(*args, **kwargs)
+
+
+def test_bf16_update_casts_each_weight_once_per_step_and_accumulates_every_micro_batch(
+    tiny_task: Any,
+) -> None:
+    """With bf16 autocast (one rank) the fp32 master weights are cast once per optimiser step, not once
+    per micro-batch, and the gradient still sums over every micro-batch."""
+    grads, casts = [], []
+    for mbs in (8, 1):
+        torch.manual_seed(0)
+        w = PolicyWorker(
+            str(tiny_task.model_dir),
+            optim=OptimConfig(lr=1e-3, grad_clip=0.0),
+            micro_batch_size=mbs,
+            bf16=True,
+        )
+        w.optimizer = torch.optim.SGD(w.model.parameters(), lr=1.0)  # param change == -gradient
+        b = _batch_with_extras(w)
+        before = [p.detach().clone() for p in w.model.parameters()]
+        matrices = [p for p in w.model.parameters() if p.dim() == 2]
+        with _ParamCasts(matrices) as counter:
+            w.update(b, num_mini_batches=1)
+        casts.append(counter.count)
+        grads.append(
+            torch.cat(
+                [(p0 - p.detach()).flatten() for p0, p in zip(before, w.model.parameters(), strict=True)]
+            )
+        )
+    assert casts[0] > 0, "autocast cast no weight: the test does not see casts"
+    assert casts[1] == casts[0], f"8 micro-batches cast the weights {casts[1]} times, one batch {casts[0]}"
+    # bf16 forward passes over different micro-batch shapes: equal to bf16 rounding.
+    rel = (grads[0] - grads[1]).norm() / grads[0].norm()
+    assert rel < 2e-2, f"micro-batched bf16 gradient differs from one batch's by {rel:.3g} (relative)"
