@@ -298,6 +298,16 @@ class TrainingSpec(_Model):
         ge=1,
         description="Sequences per GPU per forward/backward pass (gradient accumulation unit).",
     )
+    micro_batch_tokens: int = Field(
+        default=0,
+        ge=0,
+        le=1_048_576,
+        description="When > 0, micro-batches are chosen by tokens instead of microBatchSize: rows of "
+        "similar length are grouped so that a pass holds at most this many padded tokens (prompt + "
+        "response) per GPU, each cut to its own longest row; a longer row gets a pass of its own. "
+        "For varied response lengths (verl: use_dynamic_bsz with ppo_max_token_len_per_gpu). "
+        "Actor, reference and critic. 0: microBatchSize sequences per pass.",
+    )
     learning_rate: float = Field(default=1.0e-6, gt=0.0, le=1.0, description="Actor learning rate.")
     warmup_steps: int = Field(default=0, ge=0, description="Linear learning-rate warmup steps.")
     lr_schedule: LrSchedule = Field(default="constant", description="Learning-rate schedule after warmup.")

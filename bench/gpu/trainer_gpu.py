@@ -123,6 +123,7 @@ def rlkube_grpo(
         device=device,
         bf16=bf16,
         micro_batch_size=args.micro_batch,
+        micro_batch_tokens=args.micro_batch_tokens if args.pack else 0,  # training.microBatchTokens
         optim=OptimConfig(lr=1e-6),
         loss=LossConfig(),
     )
@@ -266,6 +267,7 @@ def rlkube_grpo(
         "old_logprob_pass": old_pass,
         "update_paths": update_paths,
         "micro_batch": args.micro_batch,
+        "micro_batch_tokens": args.micro_batch_tokens if args.pack else 0,
         "first_step_s": steps[0]["step_s"] + engine_build_s,
         "steps": steps,
         "mean_after_warmup": avg,
@@ -427,7 +429,15 @@ def main() -> int:
     p.add_argument("--no-trl", action="store_true")
     p.add_argument("--no-head-bench", action="store_true")
     p.add_argument(
-        "--micro-batch-tokens", type=int, default=16384, help="token budget for the padding estimate"
+        "--micro-batch-tokens",
+        type=int,
+        default=16384,
+        help="token budget per pass: the padding estimate, and the actor's micro-batches with --pack",
+    )
+    p.add_argument(
+        "--pack",
+        action="store_true",
+        help="micro-batches chosen by tokens (training.microBatchTokens = --micro-batch-tokens)",
     )
     p.add_argument("--profile", action="store_true", help="kernel table of one update (GPU)")
     p.add_argument("--compile", choices=sorted(COMPILE_CHOICES), default="auto")

@@ -10,7 +10,7 @@ from torch import Tensor, nn
 from rlkube.runtime.algos import value_loss
 from rlkube.runtime.trainer.batch import Batch
 from rlkube.runtime.trainer.modeling import load_causal_lm
-from rlkube.runtime.trainer.worker import LossConfig, OptimConfig, TrainWorker, lr_lambda, micro_batches
+from rlkube.runtime.trainer.worker import LossConfig, OptimConfig, TrainWorker, lr_lambda, scatter_pass
 
 
 class ValueModel(nn.Module):
@@ -42,10 +42,17 @@ class CriticWorker(TrainWorker):
         device: str | torch.device | None = None,
         bf16: bool | None = None,
         micro_batch_size: int = 8,
+        micro_batch_tokens: int = 0,
         replicate: int = 1,
         config_overrides: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__(device=device, bf16=bf16, micro_batch_size=micro_batch_size, replicate=replicate)
+        super().__init__(
+            device=device,
+            bf16=bf16,
+            micro_batch_size=micro_batch_size,
+            replicate=replicate,
+            micro_batch_tokens=micro_batch_tokens,
+        )
         self.optim_cfg = optim or OptimConfig(lr=1e-5)
         self.loss_cfg = loss or LossConfig()
         lm = load_causal_lm(model_path, device=self.device, config_overrides=config_overrides)
@@ -62,13 +69,14 @@ class CriticWorker(TrainWorker):
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> Tensor:
-        out = []
+        out = torch.zeros(batch.responses.shape, dtype=torch.float32, device=self.device)
         self.model.eval()
-        for mb in micro_batches(batch, self.micro_batch_size):
-            mb = mb.to(self.device)
-            with self.autocast():
-                out.append(self._values(mb).float().cpu())
-        return torch.cat(out)
+        with self.autocast():
+            for plan in self.plan_micro_batches(batch):
+                values = self._values(plan.batch).float()
+                if not plan.stand_in:
+                    scatter_pass(out, plan, values)
+        return out.cpu()
 
     def update(self, batch: Batch, num_mini_batches: int, epochs: int = 1) -> dict[str, float]:
         """Clipped value regression onto ``extras['returns']`` (old values in ``extras['values']``)."""
@@ -85,8 +93,8 @@ class CriticWorker(TrainWorker):
                 self.optimizer.zero_grad(set_to_none=True)
                 vl_total = torch.zeros((), dtype=torch.float64, device=self.device)
                 vclip = torch.zeros((), dtype=torch.float64, device=self.device)
-                for mb in micro_batches(mini, self.micro_batch_size):
-                    mb = mb.to(self.device)
+                for plan in self.plan_micro_batches(mini):
+                    mb = plan.batch
                     with self.autocast():
                         v = self._values(mb).float()
                     loss, m = value_loss(
@@ -98,6 +106,9 @@ class CriticWorker(TrainWorker):
                         "token-mean",
                         global_tokens=g_tokens,
                     )
+                    if plan.stand_in:  # keeps this rank's collectives in step; adds nothing
+                        (loss * 0.0).backward()
+                        continue
                     loss.backward()
                     vl_total += loss.detach().double()
                     vclip += (

@@ -82,6 +82,7 @@ class Learner:
             "device": device,
             "bf16": None if spec.model.dtype == "bfloat16" else False,
             "micro_batch_size": t.micro_batch_size,
+            "micro_batch_tokens": t.micro_batch_tokens,
             # HSDP: shard within each trainer pod, replicate across pods
             "replicate": spec.trainer.replicas if spec.trainer.hybrid_shard else 1,
             "config_overrides": model_config_overrides(spec),  # model.maxPositionEmbeddings

@@ -54,6 +54,28 @@ def token_micro_batches(
     return groups
 
 
+def split_to_count(groups: Sequence[Sequence[int]], count: int) -> tuple[list[list[int]], int]:
+    """``groups`` split until there are ``count`` of them, and how many stand-in passes are still
+    needed (when every group is down to one row).
+
+    FSDP2 ranks gather and reduce parameters in every forward and backward pass, so every rank must
+    run as many passes: a rank whose rows fit in fewer groups halves its largest groups (rows keep
+    their length order) and, only if it has fewer rows than ``count``, runs stand-in passes whose
+    loss is multiplied by zero.
+    """
+    out = [list(g) for g in groups]
+    if count < len(out):
+        raise ValueError(f"cannot merge {len(out)} groups into {count}")
+    while len(out) < count:
+        i = max(range(len(out)), key=lambda j: (len(out[j]), -j))
+        g = out[i]
+        if len(g) < 2:
+            break
+        half = len(g) // 2
+        out[i : i + 1] = [g[:half], g[half:]]
+    return out, count - len(out)
+
+
 def padded_tokens(
     prompt_lens: Sequence[int], response_lens: Sequence[int], groups: Sequence[Sequence[int]]
 ) -> int:
@@ -63,33 +85,46 @@ def padded_tokens(
     )
 
 
-def trim_rows(batch: Batch, rows: Sequence[int]) -> Batch:
-    """The rows ``rows`` of ``batch`` with columns cut to their own widest prompt and response.
+def group_widths(
+    prompt_lens: Sequence[int], response_lens: Sequence[int], rows: Sequence[int]
+) -> tuple[int, int]:
+    """The widest prompt and the widest response (at least 1) among ``rows``."""
+    return max(prompt_lens[i] for i in rows), max(max(response_lens[i] for i in rows), 1)
+
+
+def cut_rows(batch: Batch, index: Tensor, prompt_width: int, response_width: int) -> Batch:
+    """Rows ``index`` (a tensor on ``batch``'s device) with columns cut to the given widths.
 
     The layout is kept (left-padded prompts ending at the new ``prompt_width``, responses after
     it), so everything that reads a :class:`Batch` reads this one; per-token extras ``[B, T]`` are
-    cut to the new response width, per-row extras are kept.
+    cut to the new response width, per-row extras are kept. On a GPU the gathers are only queued:
+    the widths come from the host, so nothing waits for the device.
     """
-    sub = batch.select(list(rows))
     p_old, t_old = batch.prompt_width, batch.responses.shape[1]
-    plens, rlens = row_lengths(sub)
-    p_new, t_new = max(plens), max(max(rlens), 1)
-    cols = slice(p_old - p_new, p_old + t_new)
+    cols = slice(p_old - prompt_width, p_old + response_width)
 
-    def cut(v: Tensor) -> Tensor:
-        return v[:, :t_new] if v.dim() == 2 and v.shape[1] == t_old else v
+    def rows_of(v: Tensor) -> Tensor:
+        v = v.index_select(0, index)
+        return v[:, :response_width] if v.dim() == 2 and v.shape[1] == t_old else v
 
     return Batch(
-        input_ids=sub.input_ids[:, cols],
-        attention_mask=sub.attention_mask[:, cols],
-        position_ids=sub.position_ids[:, cols],
-        responses=sub.responses[:, :t_new],
-        response_mask=sub.response_mask[:, :t_new],
-        prompt_width=p_new,
-        scores=sub.scores,
-        group_index=sub.group_index,
-        extras={k: cut(v) for k, v in sub.extras.items()},
+        input_ids=batch.input_ids.index_select(0, index)[:, cols],
+        attention_mask=batch.attention_mask.index_select(0, index)[:, cols],
+        position_ids=batch.position_ids.index_select(0, index)[:, cols],
+        responses=batch.responses.index_select(0, index)[:, :response_width],
+        response_mask=batch.response_mask.index_select(0, index)[:, :response_width],
+        prompt_width=prompt_width,
+        scores=batch.scores.index_select(0, index),
+        group_index=batch.group_index.index_select(0, index),
+        extras={k: rows_of(v) for k, v in batch.extras.items()},
     )
+
+
+def trim_rows(batch: Batch, rows: Sequence[int]) -> Batch:
+    """The rows ``rows`` of a host ``batch`` cut to their own widest prompt and response."""
+    plens, rlens = row_lengths(batch)
+    index = torch.as_tensor(list(rows), dtype=torch.long)
+    return cut_rows(batch, index, *group_widths(plens, rlens, rows))
 
 
 def scatter_rows(out: Tensor, rows: Sequence[int], part: Tensor) -> None:

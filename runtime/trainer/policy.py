@@ -32,7 +32,7 @@ from rlkube.runtime.trainer.worker import (
     TrainWorker,
     accumulate,
     lr_lambda,
-    micro_batches,
+    scatter_pass,
 )
 
 
@@ -79,12 +79,19 @@ class PolicyWorker(TrainWorker):
         device: str | torch.device | None = None,
         bf16: bool | None = None,
         micro_batch_size: int = 8,
+        micro_batch_tokens: int = 0,
         gradient_checkpointing: bool = False,
         model: nn.Module | None = None,
         replicate: int = 1,
         config_overrides: dict[str, Any] | None = None,
     ) -> None:
-        super().__init__(device=device, bf16=bf16, micro_batch_size=micro_batch_size, replicate=replicate)
+        super().__init__(
+            device=device,
+            bf16=bf16,
+            micro_batch_size=micro_batch_size,
+            replicate=replicate,
+            micro_batch_tokens=micro_batch_tokens,
+        )
         self.loss_cfg = loss or LossConfig()
         self.optim_cfg = optim or OptimConfig()
         self.trainable = trainable
@@ -122,17 +129,20 @@ class PolicyWorker(TrainWorker):
     ) -> tuple[Tensor, Tensor | None]:
         """Per-token log-probs ``[B, T]`` (and entropy) under the current weights, float32 on CPU, at
         the loss's sampling temperature unless ``temperature`` is given (1.0: the engines' raw view)."""
-        lps, ents = [], []
         temp = self.loss_cfg.temperature if temperature is None else temperature
+        lp_out = torch.zeros(batch.responses.shape, dtype=torch.float32, device=self.device)
+        ent_out = torch.zeros_like(lp_out) if with_entropy else None
         self.model.eval()
-        for mb in micro_batches(batch, self.micro_batch_size):
-            mb = mb.to(self.device)
-            with self.autocast():
-                logits = response_logits(self.model, mb, temp)
-            lps.append(logprobs_from_logits(logits, mb.responses).cpu())
-            if with_entropy:
-                ents.append(entropy_from_logits(logits).cpu())
-        return torch.cat(lps), (torch.cat(ents) if with_entropy else None)
+        with self.autocast():  # one context: each weight cast once (see TrainWorker.autocast)
+            for plan in self.plan_micro_batches(batch):
+                logits = response_logits(self.model, plan.batch, temp)
+                if plan.stand_in:
+                    continue
+                with self.autocast_off():
+                    scatter_pass(lp_out, plan, logprobs_from_logits(logits, plan.batch.responses))
+                    if ent_out is not None:
+                        scatter_pass(ent_out, plan, entropy_from_logits(logits))
+        return lp_out.cpu(), (ent_out.cpu() if ent_out is not None else None)
 
     # -- training ----------------------------------------------------------------------------
     def update(self, batch: Batch, num_mini_batches: int, epochs: int = 1) -> dict[str, float]:
@@ -186,29 +196,43 @@ class PolicyWorker(TrainWorker):
         # sync per micro-batch, so kernel launches keep running ahead of the GPU.
         mini_tokens = float(mini.response_mask.sum())
         n_tok = max(mini_tokens, 1.0)
-        weights = [float(mb.response_mask.sum()) / n_tok for mb in micro_batches(mini, self.micro_batch_size)]
-        mini = mini.to(self.device)
+        row_tokens = mini.response_mask.sum(1).tolist()
+        plans = self.plan_micro_batches(mini)
+        weights = [sum(row_tokens[r] for r in p.rows) / n_tok for p in plans]
         acc: dict[str, Tensor] = {}
         ratio_max: Tensor | None = None
         # The counts above are divided by the world size to undo the ranks' gradient averaging; a
         # token-sum has no count, so its gradient is scaled back up instead.
         sum_scale = float(self.world_size) if cfg.agg_mode == "token-sum" else 1.0
         agg = {"global_tokens": g_tokens, "global_seqs": g_seqs, "norm_constant": cfg.norm_constant}
+        # On-policy: the detached log-probs, back in the mini-batch's row order.
+        mini_logp = (
+            torch.zeros(mini.responses.shape, dtype=torch.float32, device=self.device)
+            if kept is not None and "old_logp" not in mini.extras
+            else None
+        )
         # One autocast context over every micro-batch: each fp32 master weight is cast to bf16 once
         # per optimiser step, not once per micro-batch (autocast's cast cache lives as long as the
         # outermost context). The loss and the backward pass run with autocast paused, as before.
         with self.autocast():
-            for weight, mb in zip(weights, micro_batches(mini, self.micro_batch_size), strict=True):
-                logits = response_logits(self.model, mb, cfg.temperature)
+            for weight, plan in zip(weights, plans, strict=True):
+                logits = response_logits(self.model, plan.batch, cfg.temperature)
                 with self.autocast_off():
-                    loss, pg, weighted, m = self._micro_loss(mb, logits, cfg, agg, kept)
+                    loss, pg, weighted, m, logp = self._micro_loss(plan.batch, logits, cfg, agg)
+                    if plan.stand_in:  # keeps this rank's collectives in step; adds nothing
+                        (loss * 0.0).backward()
+                        continue
                     (loss * sum_scale).backward()
+                    if mini_logp is not None:
+                        scatter_pass(mini_logp, plan, logp)
                     # micro losses already sum to the mini-batch loss; the rest are token-weighted means
                     accumulate(acc, "actor/pg_loss", pg.detach().float())
                     for k, v in weighted.items():
                         accumulate(acc, k, v.detach().float() * weight)
                     r = m.ratio_max.detach().float()
                     ratio_max = r if ratio_max is None else torch.maximum(ratio_max, r)
+        if kept is not None and mini_logp is not None:
+            kept.append(mini_logp)
         # Over ranks: the loss is averaged (each rank's is scaled for the global batch), the rest
         # weighted by each rank's tokens, the ratio maxed.
         pg_loss = acc.pop("actor/pg_loss") * sum_scale  # token-sum: the ranks' losses add up
@@ -228,17 +252,14 @@ class PolicyWorker(TrainWorker):
         logits: Tensor,
         cfg: LossConfig,
         agg: dict[str, float],
-        kept: list[Tensor] | None,
-    ) -> tuple[Tensor, Tensor, dict[str, Tensor], PolicyLossMetrics]:
+    ) -> tuple[Tensor, Tensor, dict[str, Tensor], PolicyLossMetrics, Tensor]:
         """One micro-batch's loss (policy loss, entropy bonus, KL loss), its policy-loss part, the
-        token-weighted metrics and the policy loss's own metrics."""
+        token-weighted metrics, the policy loss's own metrics and the detached log-probs."""
         logp = logprobs_from_logits(logits, mb.responses)
         mask = mb.response_mask
         old_logp = mb.extras.get("old_logp")
         if old_logp is None:  # one epoch x one mini-batch: pi_old is these weights (ratio == 1)
             old_logp = logp.detach()
-            if kept is not None:
-                kept.append(old_logp.float())
         pg, m = POLICY_LOSSES[cfg.policy_loss](
             logp,
             old_logp,
@@ -273,7 +294,7 @@ class PolicyWorker(TrainWorker):
             kl_loss = aggregate_loss(kl, mask, cfg.agg_mode, **agg)
             loss = loss + cfg.kl_loss_coef * kl_loss
             weighted["actor/kl_loss"] = masked_mean(kl.detach(), mask)
-        return loss, pg, weighted, m
+        return loss, pg, weighted, m, logp.detach().float()
 
     def _clip_and_step(self) -> float:
         assert self.optimizer is not None

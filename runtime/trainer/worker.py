@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +14,13 @@ from torch import Tensor, nn
 from rlkube.runtime.trainer.batch import Batch
 from rlkube.runtime.trainer.fsdp import shard_fsdp2, world
 from rlkube.runtime.trainer.modeling import resolve_device
+from rlkube.runtime.trainer.packing import (
+    cut_rows,
+    group_widths,
+    row_lengths,
+    split_to_count,
+    token_micro_batches,
+)
 
 
 @dataclass(frozen=True)
@@ -75,9 +81,28 @@ def lr_lambda(cfg: OptimConfig) -> Any:
     return f
 
 
-def micro_batches(batch: Batch, size: int) -> Iterator[Batch]:
-    for start in range(0, batch.size, size):
-        yield batch.rows(start, min(start + size, batch.size))
+@dataclass(frozen=True)
+class MicroBatch:
+    """One forward/backward pass over rows ``rows`` of its batch, in that order.
+
+    ``index`` holds the rows on the device (None: the rows are consecutive) and ``batch`` those
+    rows, trimmed to their own widths when micro-batches are chosen by tokens. ``stand_in``: a pass
+    that only keeps this rank in step with the others (FSDP2 collectives); its loss is multiplied
+    by zero and its outputs are dropped.
+    """
+
+    rows: list[int]
+    batch: Batch
+    index: Tensor | None = None
+    stand_in: bool = False
+
+
+def scatter_pass(out: Tensor, plan: MicroBatch, part: Tensor) -> None:
+    """Write one pass's per-token result ``part`` [b, t] into the rows it came from in ``out`` [B, T]."""
+    if plan.index is None:  # consecutive rows
+        out[plan.rows[0] : plan.rows[-1] + 1, : part.shape[1]] = part.to(out.dtype)
+    else:
+        out[plan.index.to(out.device), : part.shape[1]] = part.to(out.dtype)
 
 
 def accumulate(acc: dict[str, Tensor], key: str, value: Tensor) -> None:
@@ -94,10 +119,12 @@ class TrainWorker:
         bf16: bool | None,
         micro_batch_size: int,
         replicate: int = 1,
+        micro_batch_tokens: int = 0,
     ) -> None:
         self.device = resolve_device(device)
         self.bf16 = self.device.type != "cpu" if bf16 is None else bf16
         self.micro_batch_size = micro_batch_size
+        self.micro_batch_tokens = micro_batch_tokens  # > 0: passes chosen by padded tokens
         self.rank, self.world_size = world()
         self.replicate = replicate  # HSDP replica groups (pods); 1: plain FSDP2 over every rank
 
@@ -120,6 +147,38 @@ class TrainWorker:
         if self.world_size > 1:
             return shard_fsdp2(model, self.device, self.bf16, self.replicate)
         return model
+
+    def plan_micro_batches(self, batch: Batch) -> list[MicroBatch]:
+        """The passes over a host ``batch``, on this worker's device: ``micro_batch_size``
+        consecutive rows each, or, with ``micro_batch_tokens``, rows grouped by length and trimmed
+        (``trainer.packing``), as many passes on every rank. The batch moves to the device once and
+        is cut there, so no pass waits for the device before its kernels are queued."""
+        on_device = batch.to(self.device)
+        if self.micro_batch_tokens <= 0:
+            size, n = self.micro_batch_size, batch.size
+            return [
+                MicroBatch(list(range(s, min(s + size, n))), on_device.rows(s, min(s + size, n)))
+                for s in range(0, n, size)
+            ]
+        plens, rlens = row_lengths(batch)
+        groups = token_micro_batches(plens, rlens, self.micro_batch_tokens)
+        count = len(groups)
+        if self.world_size > 1:
+            import torch.distributed as dist
+
+            n = torch.tensor([count], dtype=torch.int64, device=self.device)
+            dist.all_reduce(n, op=dist.ReduceOp.MAX)
+            count = int(n.item())
+        groups, stand_ins = split_to_count(groups, count)
+        shortest = min(range(batch.size), key=lambda i: plens[i] + rlens[i])
+        groups += [[shortest]] * stand_ins
+        # Every pass's row indices reach the device in one copy.
+        flat = torch.tensor([r for g in groups for r in g], dtype=torch.long).to(self.device)
+        plans = []
+        for k, (g, index) in enumerate(zip(groups, flat.split([len(g) for g in groups]), strict=True)):
+            sub = cut_rows(on_device, index, *group_widths(plens, rlens, g))
+            plans.append(MicroBatch(g, sub, index, stand_in=k >= len(groups) - stand_ins))
+        return plans
 
     def global_counts(self, mini: Batch) -> tuple[float, float]:
         """Loss denominators of a mini-batch spread over every rank, scaled for FSDP's gradient mean.

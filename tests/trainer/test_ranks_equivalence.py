@@ -68,25 +68,34 @@ def _train(
     return m, {k: torch.from_numpy(v) for k, v in weights.items()}
 
 
-CASES = {
-    "fsdp2-token-mean": ("token-mean", {"gpusPerReplica": 2}, False),
-    "fsdp2-seq-mean": ("seq-mean-token-mean", {"gpusPerReplica": 2}, False),
+CASES: dict[str, tuple[str, dict[str, Any], bool, dict[str, Any]]] = {
+    "fsdp2-token-mean": ("token-mean", {"gpusPerReplica": 2}, False, {}),
+    "fsdp2-seq-mean": ("seq-mean-token-mean", {"gpusPerReplica": 2}, False, {}),
     # HSDP: two pods of one rank, the model replicated across pods (gradients all-reduced)
-    "hsdp-token-mean": ("token-mean", {"replicas": 2, "gpusPerReplica": 1, "hybridShard": True}, False),
+    "hsdp-token-mean": ("token-mean", {"replicas": 2, "gpusPerReplica": 1, "hybridShard": True}, False, {}),
     # groups of 4, 3, 4 and 1 samples: padded so both ranks run equal passes
-    "fsdp2-uneven-seq-mean": ("seq-mean-token-mean", {"gpusPerReplica": 2}, True),
+    "fsdp2-uneven-seq-mean": ("seq-mean-token-mean", {"gpusPerReplica": 2}, True, {}),
+    # micro-batches chosen by tokens: each rank groups its own rows and the ranks agree on a count
+    # (measured: in one mini-batch rank 0's rows fit in 2 passes, rank 1's need 3, so rank 0 splits)
+    "fsdp2-uneven-token-micro-batches": ("token-mean", {"gpusPerReplica": 2}, True, {"microBatchTokens": 15}),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_ranks_update_equals_one(tmp_path: Path, tiny_task: Any, case: str) -> None:
-    agg, trainer, uneven = CASES[case]
+    agg, trainer, uneven, training = CASES[case]
     job = write_job(
         tmp_path / "job.yaml",
         tiny_task,
         trainer=trainer,
         algorithm={"name": "grpo", "groupSize": GROUP_SIZE, "lossAggregation": agg},
-        training={"trainBatchSize": GROUPS, "miniBatchSize": 2, "microBatchSize": 3, "learningRate": 1e-3},
+        training={
+            "trainBatchSize": GROUPS,
+            "miniBatchSize": 2,
+            "microBatchSize": 3,
+            "learningRate": 1e-3,
+            **training,
+        },
     )
     m1, w1 = _train(1, job, uneven)
     m2, w2 = _train(2, job, uneven)

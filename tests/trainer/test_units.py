@@ -12,6 +12,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from rlkube.runtime.trainer.batch import Sample, collate
 from rlkube.runtime.trainer.checkpoint import list_checkpoints, load_latest, save_checkpoint
+from rlkube.runtime.trainer.critic import CriticWorker
+from rlkube.runtime.trainer.packing import split_to_count
 from rlkube.runtime.trainer.policy import PolicyWorker
 from rlkube.runtime.trainer.replay import ReplayBuffer
 from rlkube.runtime.trainer.worker import LossConfig, OptimConfig, lr_lambda
@@ -63,6 +65,47 @@ def test_micro_batching_gives_the_same_update_as_one_big_batch(tiny_task: Any, a
         params.append(torch.cat([p.detach().flatten() for p in w.model.parameters()]))
     assert torch.allclose(params[0], params[1], atol=1e-5)
     assert torch.allclose(params[0], params[2], atol=1e-5)
+
+
+@pytest.mark.parametrize("tokens", [1, 14, 40])
+def test_token_micro_batches_give_the_same_logprobs_and_update_as_one_big_batch(
+    tiny_task: Any, tokens: int
+) -> None:
+    """training.microBatchTokens regroups and trims rows; log-probs come back in row order and the
+    update equals one pass over the whole batch (1: every row alone; 40: several rows per pass)."""
+    results = []
+    for kw in ({"micro_batch_size": 8}, {"micro_batch_tokens": tokens}):
+        torch.manual_seed(0)
+        w = PolicyWorker(str(tiny_task.model_dir), optim=OptimConfig(lr=1e-3, grad_clip=0.0), **kw)
+        w.optimizer = torch.optim.SGD(w.model.parameters(), lr=1.0)  # param change == -gradient
+        b = _batch_with_extras(w)
+        logp, ent = w.compute_logprobs(b, with_entropy=True)
+        assert ent is not None
+        plans = w.plan_micro_batches(b)
+        del b.extras["old_logp"]  # on-policy: the update's own log-probs are kept, in row order
+        w.update(b, num_mini_batches=1)
+        kept = w.last_update_logp
+        assert kept is not None
+        params = torch.cat([p.detach().flatten() for p in w.model.parameters()])
+        results.append((logp * b.response_mask, ent * b.response_mask, kept * b.response_mask, params, plans))
+    (lp0, ent0, kept0, par0, _), (lp1, ent1, kept1, par1, plans) = results
+    if tokens == 1:
+        assert len(plans) == 8
+    if tokens == 40:
+        assert 1 < len(plans) < 8 and all(len(p.rows) * p.batch.input_ids.shape[1] <= 40 for p in plans)
+    assert sorted(r for p in plans for r in p.rows) == list(range(8))
+    assert torch.allclose(lp0, lp1, atol=1e-5) and torch.allclose(ent0, ent1, atol=1e-5)
+    assert torch.allclose(kept0, kept1, atol=1e-5) and torch.allclose(lp0, kept1, atol=1e-5)
+    assert torch.allclose(par0, par1, atol=1e-5)
+
+
+def test_split_to_count_halves_the_largest_groups_then_asks_for_stand_ins() -> None:
+    assert split_to_count([[0, 1, 2, 3], [4]], 3) == ([[0, 1], [2, 3], [4]], 0)
+    assert split_to_count([[0, 1, 2], [3, 4]], 4) == ([[0], [1], [2], [3, 4]], 0)
+    assert split_to_count([[0], [1]], 4) == ([[0], [1]], 2)
+    assert split_to_count([[0, 1]], 1) == ([[0, 1]], 0)
+    with pytest.raises(ValueError):
+        split_to_count([[0], [1]], 1)
 
 
 def test_update_raises_the_logprob_of_positive_advantage_responses(tiny_task: Any) -> None:
@@ -198,3 +241,25 @@ def test_bf16_update_casts_each_weight_once_per_step_and_accumulates_every_micro
     # bf16 forward passes over different micro-batch shapes: equal to bf16 rounding.
     rel = (grads[0] - grads[1]).norm() / grads[0].norm()
     assert rel < 2e-2, f"micro-batched bf16 gradient differs from one batch's by {rel:.3g} (relative)"
+
+
+def test_critic_token_micro_batches_give_the_same_values_and_update(tiny_task: Any) -> None:
+    """The critic follows training.microBatchTokens too: same values in row order, same update."""
+    out = []
+    for kw in ({"micro_batch_size": 8}, {"micro_batch_tokens": 14}):
+        torch.manual_seed(0)
+        c = CriticWorker(str(tiny_task.model_dir), optim=OptimConfig(lr=1e-3, grad_clip=0.0), **kw)
+        c.optimizer = torch.optim.SGD(c.model.parameters(), lr=1.0)  # param change == -gradient
+        actor = PolicyWorker(str(tiny_task.model_dir), micro_batch_size=8)
+        b = _batch_with_extras(actor)
+        values = c.compute_values(b)
+        b.extras["values"] = values
+        b.extras["returns"] = values + b.extras["advantages"] * 0.1
+        before = torch.cat([p.detach().flatten() for p in c.model.parameters()])
+        c.update(b, num_mini_batches=1)
+        after = torch.cat([p.detach().flatten() for p in c.model.parameters()])
+        assert float((after - before).abs().max()) > 1e-4  # the update moved the critic
+        out.append((values * b.response_mask, after))
+    assert len(c.plan_micro_batches(b)) > 1
+    assert torch.allclose(out[0][0], out[1][0], atol=1e-5)
+    assert torch.allclose(out[0][1], out[1][1], atol=1e-5)
