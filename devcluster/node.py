@@ -111,11 +111,19 @@ def node_binaries() -> tuple[NodeBinaries | None, list[str]]:
     return (None if missing else NodeBinaries(**paths)), missing
 
 
-def lock_holder() -> str:
-    """Who holds the machine's real node (from the lock file), for the fallback message."""
+def _lock_info() -> dict[str, Any] | None:
+    """What the lock file records of its holder (state dir, pid); None if unreadable."""
     try:
         info = json.loads(LOCK_FILE.read_text() or "{}")
     except (OSError, ValueError):
+        return None
+    return info if isinstance(info, dict) else None
+
+
+def lock_holder() -> str:
+    """Who holds the machine's real node (from the lock file), for the fallback message."""
+    info = _lock_info()
+    if info is None:
         return "another cluster"
     return f"the cluster in {info.get('state_dir', '?')} (pid {info.get('pid', '?')})"
 
@@ -130,11 +138,7 @@ def holder_state_dir() -> Path | None:
     except OSError as err:
         if err.errno not in (errno.EAGAIN, errno.EACCES):
             raise DevClusterError(f"cannot open {LOCK_FILE}: {err}") from err
-    try:
-        info = json.loads(LOCK_FILE.read_text() or "{}")
-    except (OSError, ValueError):
-        info = {}
-    return Path(info.get("state_dir") or "?")
+    return Path((_lock_info() or {}).get("state_dir") or "?")
 
 
 def why_not(state_dir: Path) -> str | None:
@@ -158,14 +162,10 @@ def why_not(state_dir: Path) -> str | None:
     if bins is None:
         return f"node programs not built: {', '.join(absent)} (run `make cluster-build`)"
     try:
-        with LOCK_FILE.open("a") as f:
-            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            fcntl.flock(f, fcntl.LOCK_UN)
-    except OSError as err:
-        if err.errno in (errno.EAGAIN, errno.EACCES):
-            return f"this machine's real node is in use by {lock_holder()}"
-        return f"cannot open {LOCK_FILE}: {err}"
-    return None
+        holder = holder_state_dir()
+    except DevClusterError as err:
+        return str(err)
+    return None if holder is None else f"this machine's real node is in use by {lock_holder()}"
 
 
 def _run(
