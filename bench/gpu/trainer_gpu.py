@@ -78,6 +78,7 @@ def rlkube_grpo(
     from rlkube.runtime.trainer.learner import Learner
     from rlkube.runtime.trainer.packing import padded_tokens, row_lengths, token_micro_batches
     from rlkube.runtime.trainer.policy import PolicyWorker, needs_old_logprob_pass
+    from rlkube.runtime.trainer.token_logprob import fused_kernel_problem
     from rlkube.runtime.trainer.worker import LossConfig, OptimConfig
     from rlkube.runtime.weights import WeightSender
 
@@ -232,15 +233,24 @@ def rlkube_grpo(
                 "padding_fraction_token_microbatches": 1 - sum(seq_lens) / packed,
             }
         )
-    if args.profile and device.type == "cuda":  # one more update of the last batch, profiled
+    if args.profile and device.type == "cuda":  # the last batch once more by each path, profiled
         from torch.profiler import ProfilerActivity, profile
 
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        def by_group() -> None:
+            group_of_ranks.call("update", [((batch_t, num_mini, epochs, False), {})])
+
+        def direct() -> None:
             actor.update(batch_t, num_mini_batches=num_mini, epochs=epochs)
-            sync(device)
-        table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=70)
-        with open(Path(os.environ.get("OUT", "."), "trainer-profile.txt"), "a") as f:
-            f.write(f"===== {size} {job}: one update, micro-batch {args.micro_batch}\n{table}\n")
+
+        for name, fn in (("direct", direct), ("rank group", by_group)):
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                fn()
+                sync(device)
+            table = prof.key_averages().table(
+                sort_by="cuda_time_total", row_limit=45, max_name_column_width=70
+            )
+            with open(Path(os.environ.get("OUT", "."), "trainer-profile.txt"), "a") as f:
+                f.write(f"===== {size} {job}: one update ({name}), micro-batch {args.micro_batch}\n{table}\n")
     engine_compiled = getattr(engine.decoder, "compiled", None)
     compile_error = getattr(engine.decoder, "compile_error", None)
     kernels_used = engine.decoder.kernels_used
@@ -263,6 +273,7 @@ def rlkube_grpo(
         "engine_compiled": engine_compiled,
         "compile_error": compile_error[-3000:] if compile_error else None,
         "kernels": kernels_used,
+        "token_logprob": fused_kernel_problem(device) or "fused",
         "weight_sync": args.weight_sync,
         "old_logprob_pass": old_pass,
         "update_paths": update_paths,
@@ -280,10 +291,13 @@ def rlkube_grpo(
 
 def head_bench(size: str, device: torch.device, tokens: int, repeats: int = 5) -> dict[str, Any]:
     """Log-prob + entropy of ``tokens`` response tokens through the LM head, forward + backward:
-    the full float32 logits path (what the actor does today) vs ``trainer.logprob.chunked_logprobs``."""
+    the full float32 logits path (the actor before the fused kernel), the fused Triton kernels over
+    the bf16 logits (``trainer.token_logprob``, what the actor runs on GPUs) and
+    ``trainer.logprob.chunked_logprobs`` (the head itself in chunks)."""
     from rlkube.runtime.algos import entropy_from_logits, logprobs_from_logits
     from rlkube.runtime.models.tiny import qwen2_like_config
     from rlkube.runtime.trainer.logprob import chunked_logprobs
+    from rlkube.runtime.trainer.token_logprob import _FusedTokenLogprob
 
     cfg = qwen2_like_config(size)
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -299,12 +313,18 @@ def head_bench(size: str, device: torch.device, tokens: int, repeats: int = 5) -
             entropy_from_logits(logits.detach()[None])
         lp.sum().backward()
 
+    def fused() -> None:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            logits = torch.nn.functional.linear(hidden, weight)
+        lp, _ = _FusedTokenLogprob.apply(logits, targets, 1.0)
+        lp.sum().backward()
+
     def chunked() -> None:
         lp, ent = chunked_logprobs(hidden, weight, targets, with_entropy=True)
         (lp.sum() + 0.0 * ent.sum()).backward()  # type: ignore[union-attr]
 
     out: dict[str, Any] = {"tokens": tokens, "vocab": cfg.vocab_size, "hidden": cfg.hidden_size}
-    for name, fn in (("full_logits", full), ("chunked", chunked)):
+    for name, fn in (("full_logits", full), ("fused", fused), ("chunked", chunked)):
         for _ in range(2):
             fn()
         sync(device)
@@ -324,6 +344,7 @@ def head_bench(size: str, device: torch.device, tokens: int, repeats: int = 5) -
             "peak_extra_gib": (torch.cuda.max_memory_allocated(device) - base) / 2**30,
         }
     out["speedup"] = out["full_logits"]["seconds_median"] / out["chunked"]["seconds_median"]
+    out["fused_speedup"] = out["full_logits"]["seconds_median"] / out["fused"]["seconds_median"]
     return out
 
 
@@ -439,6 +460,13 @@ def main() -> int:
         action="store_true",
         help="micro-batches chosen by tokens (training.microBatchTokens = --micro-batch-tokens)",
     )
+    p.add_argument(
+        "--logprob-kernel",
+        choices=["auto", "reference"],
+        default="auto",
+        help="token log-probs by the fused Triton kernels where they pass their check (auto) or "
+        "by the float32 PyTorch path (reference: RLKUBE_FUSED_LOGPROB=0)",
+    )
     p.add_argument("--profile", action="store_true", help="kernel table of one update (GPU)")
     p.add_argument("--compile", choices=sorted(COMPILE_CHOICES), default="auto")
     p.add_argument(
@@ -454,6 +482,8 @@ def main() -> int:
         help="update through the rank group (Learner), by a direct worker call, or both alternating",
     )
     args = p.parse_args()
+    if args.logprob_kernel == "reference":
+        os.environ["RLKUBE_FUSED_LOGPROB"] = "0"
     if args.smoke:
         args.sizes, args.steps, args.rl_steps, args.prompts, args.rl_prompts, args.group = (
             "tiny",
@@ -549,7 +579,12 @@ def main() -> int:
             f, c = hb["full_logits"], hb["chunked"]
             ff = f"{1e3 * f['seconds_median']:.1f} ms +{f['peak_extra_gib']:.1f} GiB"
             cc = f"{1e3 * c['seconds_median']:.1f} ms +{c['peak_extra_gib']:.1f} GiB"
-            print(f"{e['size']:>5}  LM-head logprob fwd+bwd, {hb['tokens']} tokens: full {ff}, chunked {cc}")
+            u = hb["fused"]
+            uu = f"{1e3 * u['seconds_median']:.1f} ms +{u['peak_extra_gib']:.1f} GiB"
+            print(
+                f"{e['size']:>5}  LM-head logprob fwd+bwd, {hb['tokens']} tokens: full {ff}, "
+                f"fused {uu}, chunked {cc}"
+            )
         if "speedup_vs_trl_median" in e:
             rng = e["trl_step_s_range"]
             print(f"{e['size']:>5}  vs TRL: {e['speedup_vs_trl_median']:.2f}x (TRL steps {rng} s)")

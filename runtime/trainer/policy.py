@@ -19,13 +19,12 @@ from rlkube.runtime.algos import (
     POLICY_LOSSES,
     PolicyLossMetrics,
     aggregate_loss,
-    entropy_from_logits,
     kl_penalty,
-    logprobs_from_logits,
     masked_mean,
 )
 from rlkube.runtime.trainer.batch import Batch
 from rlkube.runtime.trainer.modeling import accepts_logits_to_keep, load_causal_lm
+from rlkube.runtime.trainer.token_logprob import token_logprobs
 from rlkube.runtime.trainer.worker import (
     LossConfig,
     OptimConfig,
@@ -47,8 +46,9 @@ def needs_old_logprob_pass(num_mini_batches: int, epochs: int) -> bool:
     return not (num_mini_batches == 1 and epochs == 1)
 
 
-def response_logits(model: nn.Module, mb: Batch, temperature: float) -> Tensor:
-    """Logits predicting each response token, ``[b, T, V]``, divided by the sampling temperature.
+def response_logits(model: nn.Module, mb: Batch) -> Tensor:
+    """Logits predicting each response token, ``[b, T, V]`` (a view of the model's output; the
+    sampling temperature is applied by :func:`token_logprobs`).
 
     Rows are ``[prompt (width p) | response (width T)]``, so with ``L = p + T`` the logits predicting
     response tokens sit at ``[p - 1, p - 1 + T) = [L - T - 1, L - 1)``: when the model takes
@@ -62,8 +62,7 @@ def response_logits(model: nn.Module, mb: Batch, temperature: float) -> Tensor:
     out = model(
         input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids, **kwargs
     )
-    logits = out.logits[:, :t] if keep else out.logits[:, p - 1 : p - 1 + t]
-    return logits / temperature if temperature not in (0.0, 1.0) else logits
+    return out.logits[:, :t] if keep else out.logits[:, p - 1 : p - 1 + t]
 
 
 class PolicyWorker(TrainWorker):
@@ -135,13 +134,14 @@ class PolicyWorker(TrainWorker):
         self.model.eval()
         with self.autocast():  # one context: each weight cast once (see TrainWorker.autocast)
             for plan in self.plan_micro_batches(batch):
-                logits = response_logits(self.model, plan.batch, temp)
+                logits = response_logits(self.model, plan.batch)
                 if plan.stand_in:
                     continue
                 with self.autocast_off():
-                    scatter_pass(lp_out, plan, logprobs_from_logits(logits, plan.batch.responses))
+                    logp, ent = token_logprobs(logits, plan.batch.responses, temp or 1.0)
+                    scatter_pass(lp_out, plan, logp)
                     if ent_out is not None:
-                        scatter_pass(ent_out, plan, entropy_from_logits(logits))
+                        scatter_pass(ent_out, plan, ent)
         return lp_out.cpu(), (ent_out.cpu() if ent_out is not None else None)
 
     # -- training ----------------------------------------------------------------------------
@@ -216,7 +216,7 @@ class PolicyWorker(TrainWorker):
         # outermost context). The loss and the backward pass run with autocast paused, as before.
         with self.autocast():
             for weight, plan in zip(weights, plans, strict=True):
-                logits = response_logits(self.model, plan.batch, cfg.temperature)
+                logits = response_logits(self.model, plan.batch)
                 with self.autocast_off():
                     loss, pg, weighted, m, logp = self._micro_loss(plan.batch, logits, cfg, agg)
                     if plan.stand_in:  # keeps this rank's collectives in step; adds nothing
@@ -255,7 +255,9 @@ class PolicyWorker(TrainWorker):
     ) -> tuple[Tensor, Tensor, dict[str, Tensor], PolicyLossMetrics, Tensor]:
         """One micro-batch's loss (policy loss, entropy bonus, KL loss), its policy-loss part, the
         token-weighted metrics, the policy loss's own metrics and the detached log-probs."""
-        logp = logprobs_from_logits(logits, mb.responses)
+        logp, ent = token_logprobs(
+            logits, mb.responses, cfg.temperature or 1.0, entropy_grad=cfg.entropy_coeff > 0
+        )
         mask = mb.response_mask
         old_logp = mb.extras.get("old_logp")
         if old_logp is None:  # one epoch x one mini-batch: pi_old is these weights (ratio == 1)
@@ -273,14 +275,9 @@ class PolicyWorker(TrainWorker):
             **agg,
         )
         loss = pg
+        ent_val = masked_mean(ent.detach(), mask)
         if cfg.entropy_coeff > 0:
-            ent = entropy_from_logits(logits)
-            ent_val = masked_mean(ent.detach(), mask)
-            ent_loss = aggregate_loss(ent, mask, cfg.agg_mode, **agg)
-            loss = loss - cfg.entropy_coeff * ent_loss
-        else:  # metric only: no autograd graph over the [b, T, V] float32 temporaries
-            with torch.no_grad():
-                ent_val = masked_mean(entropy_from_logits(logits.detach()), mask)
+            loss = loss - cfg.entropy_coeff * aggregate_loss(ent, mask, cfg.agg_mode, **agg)
         weighted: dict[str, Tensor] = {
             "actor/entropy": ent_val,
             "actor/clip_frac": m.clip_frac,

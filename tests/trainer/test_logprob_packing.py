@@ -127,13 +127,13 @@ def test_trimmed_micro_batches_give_the_same_logprobs_as_the_full_batch() -> Non
     batch = _spread_batch(12, seed=3)
     batch.extras["advantages"] = torch.randn(batch.size, batch.responses.shape[1])
     with torch.no_grad():
-        full = logprobs_from_logits(response_logits(model, batch, 1.0), batch.responses) * batch.response_mask
+        full = logprobs_from_logits(response_logits(model, batch), batch.responses) * batch.response_mask
         out = torch.zeros_like(full)
         plens, rlens = row_lengths(batch)
         for rows in token_micro_batches(plens, rlens, 64):
             mb = trim_rows(batch, rows)
             assert mb.extras["advantages"].shape == mb.responses.shape
             assert mb.input_ids.shape[1] == max(plens[i] for i in rows) + max(rlens[i] for i in rows)
-            lp = logprobs_from_logits(response_logits(model, mb, 1.0), mb.responses) * mb.response_mask
+            lp = logprobs_from_logits(response_logits(model, mb), mb.responses) * mb.response_mask
             scatter_rows(out, rows, lp)
     assert torch.allclose(out, full, atol=1e-5)

@@ -121,7 +121,7 @@ class _NoLogitsToKeep(nn.Module):
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_logits_to_keep_gives_the_same_logits_as_slicing_the_full_sequence(temperature: float) -> None:
-    from rlkube.runtime.algos import logprobs_from_logits
+    from rlkube.runtime.trainer.token_logprob import token_logprobs
 
     model = _model().eval()
     wrapped = _NoLogitsToKeep(model)
@@ -135,13 +135,13 @@ def test_logits_to_keep_gives_the_same_logits_as_slicing_the_full_sequence(tempe
         return orig(*a, **k)
 
     with torch.no_grad():
-        full = response_logits(wrapped, b, temperature)
+        full = response_logits(wrapped, b)
         model.forward = spy  # type: ignore[method-assign]
-        kept = response_logits(model, b, temperature)
+        kept = response_logits(model, b)
     assert calls == [b.responses.shape[1] + 1]
     assert kept.shape == full.shape == (b.size, b.responses.shape[1], VOCAB)
     assert torch.allclose(kept, full, atol=1e-6, rtol=0)
-    lp_k, lp_f = logprobs_from_logits(kept, b.responses), logprobs_from_logits(full, b.responses)
+    (lp_k, _), (lp_f, _) = (token_logprobs(x, b.responses, temperature) for x in (kept, full))
     assert torch.allclose(lp_k, lp_f, atol=1e-6, rtol=0)
 
 
