@@ -6,8 +6,9 @@ generate (hf engine) -> reward -> GRPO advantages -> one PPO update (one epoch x
 on-policy: no separate old log-prob pass, as in the trainer) -> full bf16 weight sync into the
 engine. Two jobs:
 
-- ``today``: 8 prompts x 8 samples, 64-token prompts, 256 new tokens (no stops), and TRL's
-  GRPOTrainer on the identical model/batch/group/lengths when ``trl`` imports (carried as a wheel);
+- ``today``: 8 prompts x 8 samples, 64-token prompts, 256 new tokens (no stops), one pass of 64
+  sequences, and TRL's GRPOTrainer on the identical model/batch/group/lengths (its step also runs
+  the 64 in one pass) when ``trl`` imports (carried as a wheel);
 - ``rl``: 64 prompts x 8 samples, prompts of 64-320 tokens, responses of 32-1,024 tokens drawn
   per sample (``_common.draw_rl_lengths``).
 
@@ -127,6 +128,7 @@ def rlkube_grpo(
         micro_batch_tokens=args.micro_batch_tokens if args.pack else 0,  # training.microBatchTokens
         optim=OptimConfig(lr=1e-6),
         loss=LossConfig(),
+        compile_layers=args.train_compile,
     )
     sender = WeightSender(bucket_megabytes=512, dtype=dtype)
     # The trainer's one-rank path: the Learner behind the rank group, rows split by whole groups.
@@ -274,6 +276,7 @@ def rlkube_grpo(
         "compile_error": compile_error[-3000:] if compile_error else None,
         "kernels": kernels_used,
         "token_logprob": fused_kernel_problem(device) or "fused",
+        "train_compiled_layers": actor.compiled_layers,
         "weight_sync": args.weight_sync,
         "old_logprob_pass": old_pass,
         "update_paths": update_paths,
@@ -445,10 +448,16 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--new-tokens", type=int, default=256)
     p.add_argument("--rl-max-response", type=int, default=1024)
-    p.add_argument("--micro-batch", type=int, default=16)
+    p.add_argument(
+        "--micro-batch",
+        type=int,
+        default=64,
+        help="today's job: sequences per pass (64: the whole batch in one pass, as TRL's step runs it)",
+    )
     p.add_argument("--rl-micro-batch", type=int, default=8)
     p.add_argument("--no-trl", action="store_true")
     p.add_argument("--no-head-bench", action="store_true")
+    p.add_argument("--head-tokens", type=int, default=5120, help="tokens of the LM-head logprob bench")
     p.add_argument(
         "--micro-batch-tokens",
         type=int,
@@ -468,7 +477,10 @@ def main() -> int:
         "by the float32 PyTorch path (reference: RLKUBE_FUSED_LOGPROB=0)",
     )
     p.add_argument("--profile", action="store_true", help="kernel table of one update (GPU)")
-    p.add_argument("--compile", choices=sorted(COMPILE_CHOICES), default="auto")
+    p.add_argument("--compile", choices=sorted(COMPILE_CHOICES), default="auto", help="the rollout engine's")
+    p.add_argument(
+        "--train-compile", action="store_true", help="torch.compile the actor's decoder layers (training)"
+    )
     p.add_argument(
         "--weight-sync",
         choices=["direct", "buckets"],
@@ -531,9 +543,7 @@ def main() -> int:
                 torch.cuda.empty_cache()
         if device.type == "cuda" and not args.no_head_bench:
             try:
-                entry["lm_head_logprob"] = head_bench(
-                    size, device, tokens=args.micro_batch * (args.prompt_len + args.new_tokens)
-                )
+                entry["lm_head_logprob"] = head_bench(size, device, tokens=args.head_tokens)
             except Exception as e:
                 entry["lm_head_logprob"] = {"error": f"{type(e).__name__}: {e}"}
             torch.cuda.empty_cache()

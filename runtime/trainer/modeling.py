@@ -35,6 +35,27 @@ def load_causal_lm(
     return model
 
 
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The repeated transformer blocks of a Hugging Face causal LM (``model.model.layers``)."""
+    inner = getattr(_unwrap(model), "model", None)
+    layers = getattr(inner, "layers", None)
+    return list(layers) if isinstance(layers, nn.ModuleList) else []
+
+
+def compile_decoder_layers(model: nn.Module) -> int:
+    """torch.compile each decoder layer in place (regional compilation); returns how many.
+
+    The layers share their code, so one compile of the forward and backward graphs (inductor
+    fuses each norm, RoPE, SiLU-gate and residual chain into a few kernels) serves every layer;
+    a micro-batch of a new width recompiles once with dynamic shapes, then reuses it. The LM head,
+    the embedding and the loss stay eager (the loss has its own kernels).
+    """
+    layers = decoder_layers(model)
+    for layer in layers:
+        layer.compile()
+    return len(layers)
+
+
 def _unwrap(model: nn.Module) -> nn.Module:
     """The module whose ``forward`` signature matters: through torch.compile / DDP wrappers."""
     for attr in ("_orig_mod", "module"):

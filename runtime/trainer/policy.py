@@ -23,7 +23,7 @@ from rlkube.runtime.algos import (
     masked_mean,
 )
 from rlkube.runtime.trainer.batch import Batch
-from rlkube.runtime.trainer.modeling import accepts_logits_to_keep, load_causal_lm
+from rlkube.runtime.trainer.modeling import accepts_logits_to_keep, compile_decoder_layers, load_causal_lm
 from rlkube.runtime.trainer.token_logprob import token_logprobs
 from rlkube.runtime.trainer.worker import (
     LossConfig,
@@ -46,13 +46,14 @@ def needs_old_logprob_pass(num_mini_batches: int, epochs: int) -> bool:
     return not (num_mini_batches == 1 and epochs == 1)
 
 
-def response_logits(model: nn.Module, mb: Batch) -> Tensor:
-    """Logits predicting each response token, ``[b, T, V]`` (a view of the model's output; the
-    sampling temperature is applied by :func:`token_logprobs`).
+def response_logits_window(model: nn.Module, mb: Batch) -> tuple[Tensor, int]:
+    """The model's logits and the first of the ``T`` positions that predict the response tokens.
 
     Rows are ``[prompt (width p) | response (width T)]``, so with ``L = p + T`` the logits predicting
     response tokens sit at ``[p - 1, p - 1 + T) = [L - T - 1, L - 1)``: when the model takes
-    ``logits_to_keep`` only the last ``T + 1`` positions go through the LM head (not all ``L``).
+    ``logits_to_keep`` only the last ``T + 1`` positions go through the LM head (not all ``L``) and
+    the window starts at 0. The whole output is returned (not a slice): :func:`token_logprobs`
+    reads the window and writes the gradient of every position in one pass.
     """
     p, t = mb.prompt_width, mb.responses.shape[1]
     kwargs: dict[str, Any] = {}
@@ -62,7 +63,14 @@ def response_logits(model: nn.Module, mb: Batch) -> Tensor:
     out = model(
         input_ids=mb.input_ids, attention_mask=mb.attention_mask, position_ids=mb.position_ids, **kwargs
     )
-    return out.logits[:, :t] if keep else out.logits[:, p - 1 : p - 1 + t]
+    return out.logits, (0 if keep else p - 1)
+
+
+def response_logits(model: nn.Module, mb: Batch) -> Tensor:
+    """Logits predicting each response token, ``[b, T, V]`` (a view of the model's output; the
+    sampling temperature is applied by :func:`token_logprobs`)."""
+    logits, first = response_logits_window(model, mb)
+    return logits[:, first : first + mb.responses.shape[1]]
 
 
 class PolicyWorker(TrainWorker):
@@ -83,6 +91,7 @@ class PolicyWorker(TrainWorker):
         model: nn.Module | None = None,
         replicate: int = 1,
         config_overrides: dict[str, Any] | None = None,
+        compile_layers: bool = False,
     ) -> None:
         super().__init__(
             device=device,
@@ -104,6 +113,7 @@ class PolicyWorker(TrainWorker):
         else:  # an in-memory model (benchmarks): fp32 master weights on this worker's device
             model = model.to(device=self.device, dtype=torch.float32)
         self.model = self._wrap(model)
+        self.compiled_layers = compile_decoder_layers(self.model) if compile_layers else 0
         self.num_params = sum(p.numel() for p in model.parameters())
         self.optimizer: torch.optim.Optimizer | None = None
         self.scheduler: torch.optim.lr_scheduler.LambdaLR | None = None
@@ -134,11 +144,11 @@ class PolicyWorker(TrainWorker):
         self.model.eval()
         with self.autocast():  # one context: each weight cast once (see TrainWorker.autocast)
             for plan in self.plan_micro_batches(batch):
-                logits = response_logits(self.model, plan.batch)
+                logits, first = response_logits_window(self.model, plan.batch)
                 if plan.stand_in:
                     continue
                 with self.autocast_off():
-                    logp, ent = token_logprobs(logits, plan.batch.responses, temp or 1.0)
+                    logp, ent = token_logprobs(logits, plan.batch.responses, temp or 1.0, first=first)
                     scatter_pass(lp_out, plan, logp)
                     if ent_out is not None:
                         scatter_pass(ent_out, plan, ent)
@@ -216,9 +226,9 @@ class PolicyWorker(TrainWorker):
         # outermost context). The loss and the backward pass run with autocast paused, as before.
         with self.autocast():
             for weight, plan in zip(weights, plans, strict=True):
-                logits = response_logits(self.model, plan.batch)
+                logits, first = response_logits_window(self.model, plan.batch)
                 with self.autocast_off():
-                    loss, pg, weighted, m, logp = self._micro_loss(plan.batch, logits, cfg, agg)
+                    loss, pg, weighted, m, logp = self._micro_loss(plan.batch, logits, first, cfg, agg)
                     if plan.stand_in:  # keeps this rank's collectives in step; adds nothing
                         (loss * 0.0).backward()
                         continue
@@ -250,13 +260,15 @@ class PolicyWorker(TrainWorker):
         self,
         mb: Batch,
         logits: Tensor,
+        first: int,
         cfg: LossConfig,
         agg: dict[str, float],
     ) -> tuple[Tensor, Tensor, dict[str, Tensor], PolicyLossMetrics, Tensor]:
         """One micro-batch's loss (policy loss, entropy bonus, KL loss), its policy-loss part, the
-        token-weighted metrics, the policy loss's own metrics and the detached log-probs."""
+        token-weighted metrics, the policy loss's own metrics and the detached log-probs; positions
+        ``[first, first + T)`` of ``logits`` predict the response tokens."""
         logp, ent = token_logprobs(
-            logits, mb.responses, cfg.temperature or 1.0, entropy_grad=cfg.entropy_coeff > 0
+            logits, mb.responses, cfg.temperature or 1.0, entropy_grad=cfg.entropy_coeff > 0, first=first
         )
         mask = mb.response_mask
         old_logp = mb.extras.get("old_logp")

@@ -51,6 +51,7 @@ if HAVE_TRITON:
         X,
         sx_b,
         sx_t,
+        first,
         t_len,
         TGT,
         LP,
@@ -61,7 +62,7 @@ if HAVE_TRITON:
         BLOCK: tl.constexpr,
     ):
         r = tl.program_id(0)
-        row = X + (r // t_len).to(tl.int64) * sx_b + (r % t_len).to(tl.int64) * sx_t
+        row = X + (r // t_len).to(tl.int64) * sx_b + (first + r % t_len).to(tl.int64) * sx_t
         m = tl.full([BLOCK], float("-inf"), tl.float32)
         s = tl.zeros([BLOCK], tl.float32)  # sum exp(z - m), lane-wise
         w = tl.zeros([BLOCK], tl.float32)  # sum exp(z - m) z, lane-wise
@@ -91,6 +92,7 @@ if HAVE_TRITON:
         X,
         sx_b,
         sx_t,
+        first,
         t_len,
         TGT,
         LSE,
@@ -107,7 +109,7 @@ if HAVE_TRITON:
     ):
         r = tl.program_id(0)
         bi = (r // t_len).to(tl.int64)
-        ti = (r % t_len).to(tl.int64)
+        ti = (first + r % t_len).to(tl.int64)
         row = X + bi * sx_b + ti * sx_t
         grow = GX + bi * sg_b + ti * sg_t
         lse = tl.load(LSE + r)
@@ -128,7 +130,7 @@ if HAVE_TRITON:
 
 
 def _as_3d(x: Tensor) -> Tensor:
-    """``[..., V]`` -> ``[b, t, V]`` without copying when the leading dims allow a view."""
+    """``[..., L, V]`` -> ``[b, L, V]`` without copying when the leading dims allow a view."""
     if x.dim() == 3:
         return x
     if x.dim() == 2:
@@ -137,12 +139,22 @@ def _as_3d(x: Tensor) -> Tensor:
 
 
 class _FusedTokenLogprob(torch.autograd.Function):
+    """``logits`` ``[..., L, V]``: positions ``[first, first + t)`` of each row predict ``targets``
+    ``[..., t]``. Taking the whole tensor (not a slice of it) lets the backward pass write the
+    gradient of every position at once, where a slice's backward would fill a zero tensor of the
+    logits' size and copy the slice's gradient into it."""
+
     @staticmethod
-    def forward(ctx: Any, logits: Tensor, targets: Tensor, inv_t: float) -> tuple[Tensor, Tensor]:
+    def forward(
+        ctx: Any, logits: Tensor, targets: Tensor, inv_t: float, first: int = 0
+    ) -> tuple[Tensor, Tensor]:
         x = _as_3d(logits)
         if x.stride(-1) != 1:
             x = x.contiguous()
-        b, t, v = x.shape
+        b, length, v = x.shape
+        t = targets.shape[-1]
+        if first < 0 or first + t > length:
+            raise ValueError(f"positions [{first}, {first + t}) outside the logits' {length}")
         n = b * t
         tgt = targets.reshape(n).to(torch.int64).contiguous()
         logp = torch.empty(n, dtype=torch.float32, device=x.device)
@@ -150,11 +162,11 @@ class _FusedTokenLogprob(torch.autograd.Function):
         lse = torch.empty_like(logp)
         if n:
             _token_logprob_fwd[(n,)](
-                x, x.stride(0), x.stride(1), t, tgt, logp, ent, lse, v, inv_t,
+                x, x.stride(0), x.stride(1), first, t, tgt, logp, ent, lse, v, inv_t,
                 BLOCK=BLOCK, num_warps=NUM_WARPS,
             )  # fmt: skip
         ctx.save_for_backward(x, tgt, lse, ent)
-        ctx.inv_t = inv_t
+        ctx.inv_t, ctx.first, ctx.t = inv_t, first, t
         ctx.shape = logits.shape
         ctx.set_materialize_grads(False)
         return logp.reshape(targets.shape), ent.reshape(targets.shape)
@@ -162,20 +174,23 @@ class _FusedTokenLogprob(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, g_logp: Tensor | None, g_ent: Tensor | None) -> tuple[Any, ...]:
         x, tgt, lse, ent = ctx.saved_tensors
-        b, t, v = x.shape
+        b, length, v = x.shape
+        first, t = ctx.first, ctx.t
         n = b * t
-        grad = torch.empty((b, t, v), dtype=x.dtype, device=x.device)
+        grad = torch.empty((b, length, v), dtype=x.dtype, device=x.device)
+        grad[:, :first].zero_()  # positions that predict no target
+        grad[:, first + t :].zero_()
         g_lp = torch.zeros(n, dtype=torch.float32, device=x.device) if g_logp is None else g_logp
         g_lp = g_lp.reshape(n).float().contiguous()
         has_ent = g_ent is not None
         g_h = g_ent.reshape(n).float().contiguous() if g_ent is not None else g_lp
         if n:
             _token_logprob_bwd[(n,)](
-                x, x.stride(0), x.stride(1), t, tgt, lse, ent, g_lp, g_h,
+                x, x.stride(0), x.stride(1), first, t, tgt, lse, ent, g_lp, g_h,
                 grad, grad.stride(0), grad.stride(1), v, ctx.inv_t,
                 HAS_ENT=has_ent, BLOCK=BLOCK, num_warps=NUM_WARPS,
             )  # fmt: skip
-        return grad.reshape(ctx.shape), None, None
+        return grad.reshape(ctx.shape), None, None, None
 
 
 def token_logprobs_reference(
@@ -220,11 +235,10 @@ def self_check(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str
         got: list[Tensor] = []
         for fused in (True, False):
             leaf = full.detach().clone().requires_grad_()
-            x = leaf[:, :t]  # a strided slice, as the model's logits arrive
-            if fused:
-                lp, ent = _FusedTokenLogprob.apply(x, targets, 1 / 0.7)
+            if fused:  # the model's whole output, positions [0, t) predicting the targets
+                lp, ent = _FusedTokenLogprob.apply(leaf, targets, 1 / 0.7, 0)
             else:
-                lp, ent = token_logprobs_reference(x.float(), targets, 0.7, entropy_grad=True)
+                lp, ent = token_logprobs_reference(leaf[:, :t].float(), targets, 0.7, entropy_grad=True)
             ((lp * c_lp).sum() + (ent * c_ent).sum()).backward()
             assert leaf.grad is not None
             got += [lp.float(), ent.float(), leaf.grad.float()]
@@ -239,20 +253,31 @@ def self_check(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str
 
 
 def token_logprobs(
-    logits: Tensor, targets: Tensor, temperature: float = 1.0, *, entropy_grad: bool = False
+    logits: Tensor,
+    targets: Tensor,
+    temperature: float = 1.0,
+    *,
+    entropy_grad: bool = False,
+    first: int = 0,
 ) -> tuple[Tensor, Tensor]:
     """Log-prob of each target token and the entropy at each position under ``softmax(logits / T)``.
 
-    ``logits`` ``[..., V]`` in any float dtype (a strided slice of the model's output is fine),
-    ``targets`` ``[...]``; both results float32 ``[...]``. ``entropy_grad``: the entropy is part
-    of the loss (its gradient flows); otherwise it is only a metric. Fused Triton kernels on GPUs
-    that passed the self-check, the float32 PyTorch path elsewhere.
+    ``logits`` ``[..., L, V]`` in any float dtype (strided is fine), ``targets`` ``[..., t]``:
+    positions ``[first, first + t)`` of the logits predict the targets (pass the model's whole
+    output rather than a slice of it: the gradient is then written once, not zero-filled and
+    copied). Both results float32 ``[..., t]``. ``entropy_grad``: the entropy is part of the loss
+    (its gradient flows); otherwise it is only a metric. Fused Triton kernels on GPUs that passed
+    the self-check, the float32 PyTorch path elsewhere.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    if logits.shape[:-1] != targets.shape:
-        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} disagree")
+    t = targets.shape[-1] if targets.dim() else 0
+    if logits.shape[:-2] != targets.shape[:-1] or not 0 <= first <= logits.shape[-2] - t:
+        raise ValueError(
+            f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} from position {first} disagree"
+        )
     if fused_kernel_problem(logits.device) is None:
-        logp, ent = _FusedTokenLogprob.apply(logits, targets, 1.0 / temperature)
+        logp, ent = _FusedTokenLogprob.apply(logits, targets, 1.0 / temperature, first)
         return logp, (ent if entropy_grad else ent.detach())
-    return token_logprobs_reference(logits, targets, temperature, entropy_grad)
+    window = logits[..., first : first + t, :] if (first, t) != (0, logits.shape[-2]) else logits
+    return token_logprobs_reference(window, targets, temperature, entropy_grad)

@@ -4,7 +4,8 @@ The kernels are GPU code; here they run in Triton's interpreter (``TRITON_INTERP
 subprocess, since the flag is read when a kernel is defined) on float32 and float16 logits (the
 interpreter cannot run bf16; on a GPU the trainer repeats the check in bf16 at first use and falls
 back to PyTorch if the kernel disagrees). The logits arrive as a strided slice of a longer output,
-as the model returns them, with a vocabulary that is not a multiple of the kernel's block.
+as the model returns them, or whole with the window of positions that predict the targets
+starting at 1; the vocabulary is not a multiple of the kernel's block.
 """
 
 from __future__ import annotations
@@ -39,12 +40,16 @@ SCRIPT = textwrap.dedent(
                 targets = torch.randint(0, v, (b, t), generator=g)
                 targets[1, 2] = v - 1           # the last entry of the partial block
                 c_lp, c_ent = torch.randn(b, t, generator=g), torch.randn(b, t, generator=g)
+                # the model's whole output with the window at position `first`, or a slice of it
+                first, whole = (1, True) if with_ent else (0, False)
                 res = []
                 for fused in (True, False):
                     leaf = full.clone().requires_grad_()
-                    x = leaf[:, :t]
+                    x = leaf[:, first : first + t]
                     if fused:
-                        lp, ent = tk._FusedTokenLogprob.apply(x, targets, 1.0 / temp)
+                        lp, ent = tk._FusedTokenLogprob.apply(
+                            leaf if whole else x, targets, 1.0 / temp, first if whole else 0
+                        )
                         if not with_ent:
                             ent = ent.detach()
                     else:
@@ -59,7 +64,7 @@ SCRIPT = textwrap.dedent(
                     "ent": float((a_ent - r_ent).abs().max()),
                     "grad": float((a_g - r_g).abs().max()),
                     "grad_scale": float(r_g.abs().max()),
-                    "last_row_grad_zero": bool((a_g[:, t] == 0).all()),
+                    "outside_window_grad_zero": bool((a_g[:, 0 if first else t] == 0).all()),
                 }
     out["self_check"] = tk.self_check(torch.device("cpu"), torch.float32)
     print(json.dumps(out))
@@ -86,7 +91,7 @@ def test_fused_kernels_match_the_float32_path_in_the_interpreter() -> None:
         tol = 1e-5 if key.startswith("float32") else 2e-3
         assert err["lp"] < 1e-4 and err["ent"] < 1e-4, (key, err)
         assert err["grad"] <= tol * max(1.0, err["grad_scale"]), (key, err)
-        assert err["last_row_grad_zero"], key  # the position past the slice gets no gradient
+        assert err["outside_window_grad_zero"], key  # the position outside the window gets none
 
 
 @pytest.mark.parametrize("entropy_grad", [False, True])
@@ -107,3 +112,14 @@ def test_bad_temperature_and_shapes_are_refused_with_the_field() -> None:
         token_logprob.token_logprobs(x, torch.zeros(2, 3, dtype=torch.long), 0.0)
     with pytest.raises(ValueError, match="disagree"):
         token_logprob.token_logprobs(x, torch.zeros(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="from position 1 disagree"):
+        token_logprob.token_logprobs(x, torch.zeros(2, 3, dtype=torch.long), first=1)
+
+
+def test_cpu_path_reads_the_window_of_the_whole_output() -> None:
+    g = torch.Generator().manual_seed(2)
+    logits = torch.randn(2, 6, 30, generator=g)
+    targets = torch.randint(0, 30, (2, 4), generator=g)
+    lp, ent = token_logprob.token_logprobs(logits, targets, first=1)
+    assert torch.equal(lp, logprobs_from_logits(logits[:, 1:5], targets))
+    assert torch.equal(ent, entropy_from_logits(logits[:, 1:5]))

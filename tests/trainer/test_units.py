@@ -263,3 +263,43 @@ def test_critic_token_micro_batches_give_the_same_values_and_update(tiny_task: A
     assert len(c.plan_micro_batches(b)) > 1
     assert torch.allclose(out[0][0], out[1][0], atol=1e-5)
     assert torch.allclose(out[0][1], out[1][1], atol=1e-5)
+
+
+def test_compiled_decoder_layers_give_the_eager_update(tiny_task: Any) -> None:
+    """``compile_layers`` (regional torch.compile, what the GPU bench's ``--train-compile`` turns
+    on) compiles every decoder layer and changes no number a user sees: log-probs, the gradient of
+    the loss and the update's loss equal the eager worker's."""
+    from rlkube.runtime.trainer.policy import response_logits_window
+    from rlkube.runtime.trainer.token_logprob import token_logprobs
+
+    workers = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        workers.append(
+            PolicyWorker(
+                str(tiny_task.model_dir),
+                optim=OptimConfig(lr=1e-3, grad_clip=0.0),
+                micro_batch_size=8,
+                device="cpu",
+                compile_layers=compiled,
+            )
+        )
+    eager, compiled_w = workers
+    assert eager.compiled_layers == 0
+    assert compiled_w.compiled_layers == len(compiled_w.model.model.layers) >= 2
+    b = _batch_with_extras(eager)
+    lp_e, _ = eager.compute_logprobs(b)
+    lp_c, _ = compiled_w.compute_logprobs(b)
+    assert torch.allclose(lp_c, lp_e, atol=1e-5)
+    grads = []
+    for w in workers:
+        w.model.train()
+        logits, first = response_logits_window(w.model, b)
+        lp, _ = token_logprobs(logits, b.responses, first=first)
+        (lp * b.extras["advantages"]).sum().backward()
+        grads.append(torch.cat([p.grad.flatten() for p in w.model.parameters()]))
+        w.model.zero_grad(set_to_none=True)
+    assert torch.allclose(grads[1], grads[0], atol=1e-5, rtol=1e-4)
+    m_e = eager.update(b, num_mini_batches=1)
+    m_c = compiled_w.update(b, num_mini_batches=1)
+    assert m_c["actor/pg_loss"] == pytest.approx(m_e["actor/pg_loss"], abs=1e-5)
