@@ -182,6 +182,12 @@ def rlkube_grpo(
             if args.update_path == "group" or (args.update_path == "both" and step % 2 == 1)
             else "direct"
         )
+        prof = None
+        if args.profile_step == step and device.type == "cuda":  # this step's update, in the loop
+            from torch.profiler import ProfilerActivity, profile
+
+            prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+            prof.__enter__()
         t_up = time.perf_counter()
         if path == "group":
             rows: dict[int, list[int]] = {}
@@ -194,6 +200,12 @@ def rlkube_grpo(
             actor.lr_step()
         sync(device)
         t_update = time.perf_counter() - t_up
+        if prof is not None:
+            prof.__exit__(None, None, None)
+            with open(Path(os.environ.get("OUT", "."), "trainer-profile.txt"), "a") as f:
+                for key in ("cuda_time_total", "cpu_time_total"):
+                    table = prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70)
+                    f.write(f"===== {size} {job}: step {step} update ({path}), by {key}\n{table}\n")
         t_train = time.perf_counter() - t0
         t0 = time.perf_counter()
         if args.weight_sync == "direct":  # what the trainer does in one process (full sync)
@@ -477,6 +489,9 @@ def main() -> int:
         "by the float32 PyTorch path (reference: RLKUBE_FUSED_LOGPROB=0)",
     )
     p.add_argument("--profile", action="store_true", help="kernel table of one update (GPU)")
+    p.add_argument(
+        "--profile-step", type=int, default=-1, help="kernel table of this step's update, inside the loop"
+    )
     p.add_argument("--compile", choices=sorted(COMPILE_CHOICES), default="auto", help="the rollout engine's")
     p.add_argument(
         "--train-compile", action="store_true", help="torch.compile the actor's decoder layers (training)"

@@ -73,18 +73,39 @@ class Batch:
         return int(self.response_mask.sum().item())
 
     def select(self, rows: Sequence[int] | Tensor) -> Batch:
-        """A sub-batch (mini- or micro-batch) with the same column layout."""
+        """A sub-batch (mini- or micro-batch, a rank's shard) with the same column layout, copied.
+
+        A run of consecutive rows is sliced and cloned, any other list gathered with
+        ``index_select``: never advanced indexing, whose CPU kernel took 3.7 ms per tensor of a
+        64 x 320 batch in the GPU bench's training loop (66 ms of a 0.3 s update).
+        """
         idx = torch.as_tensor(rows, dtype=torch.long)
+        n = int(idx.numel())
+        if n and bool((idx == torch.arange(int(idx[0]), int(idx[0]) + n)).all()):
+            start = int(idx[0])
+            view = self.rows(start, start + n)
+            return Batch(
+                input_ids=view.input_ids.clone(),
+                attention_mask=view.attention_mask.clone(),
+                position_ids=view.position_ids.clone(),
+                responses=view.responses.clone(),
+                response_mask=view.response_mask.clone(),
+                prompt_width=self.prompt_width,
+                scores=view.scores.clone(),
+                group_index=view.group_index.clone(),
+                extras={k: v.clone() for k, v in view.extras.items()},
+            )
+        idx = idx.to(self.input_ids.device)
         return Batch(
-            input_ids=self.input_ids[idx],
-            attention_mask=self.attention_mask[idx],
-            position_ids=self.position_ids[idx],
-            responses=self.responses[idx],
-            response_mask=self.response_mask[idx],
+            input_ids=self.input_ids.index_select(0, idx),
+            attention_mask=self.attention_mask.index_select(0, idx),
+            position_ids=self.position_ids.index_select(0, idx),
+            responses=self.responses.index_select(0, idx),
+            response_mask=self.response_mask.index_select(0, idx),
             prompt_width=self.prompt_width,
-            scores=self.scores[idx],
-            group_index=self.group_index[idx],
-            extras={k: v[idx] for k, v in self.extras.items()},
+            scores=self.scores.index_select(0, idx),
+            group_index=self.group_index.index_select(0, idx),
+            extras={k: v.index_select(0, idx.to(v.device)) for k, v in self.extras.items()},
         )
 
     def rows(self, start: int, stop: int) -> Batch:

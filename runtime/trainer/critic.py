@@ -87,7 +87,7 @@ class CriticWorker(TrainWorker):
         self.model.train()
         for _ in range(epochs):
             for start in range(0, rows, per_mini):
-                mini = batch.select(list(range(start, min(start + per_mini, rows))))
+                mini = batch.rows(start, min(start + per_mini, rows))  # views: read only
                 g_tokens, _ = self.global_counts(mini)
                 local_tokens = float(mini.response_mask.sum())
                 self.optimizer.zero_grad(set_to_none=True)

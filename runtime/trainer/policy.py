@@ -185,7 +185,7 @@ class PolicyWorker(TrainWorker):
         per_mini = max(rows // num_mini_batches, 1)
         for _ in range(epochs):
             for start in range(0, rows, per_mini):
-                mini = batch.select(list(range(start, min(start + per_mini, rows))))
+                mini = batch.rows(start, min(start + per_mini, rows))  # views: read only
                 stats = self._mini_step(mini, cfg, kept)
                 for k, v in stats.items():
                     sums[k] = sums.get(k, 0.0) + v

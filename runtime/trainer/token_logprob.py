@@ -232,7 +232,7 @@ def self_check(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str
         full = (torch.randn(b, t + 1, v, generator=g) * 4).to(device, dtype)
         targets = torch.randint(0, v, (b, t), generator=g).to(device)
         c_lp, c_ent = (torch.randn(b, t, generator=g).to(device) for _ in range(2))
-        got: list[Tensor] = []
+        got: list[Tensor] = []  # detached values and gradients, fused first
         for fused in (True, False):
             leaf = full.detach().clone().requires_grad_()
             if fused:  # the model's whole output, positions [0, t) predicting the targets
@@ -241,7 +241,7 @@ def self_check(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str
                 lp, ent = token_logprobs_reference(leaf[:, :t].float(), targets, 0.7, entropy_grad=True)
             ((lp * c_lp).sum() + (ent * c_ent).sum()).backward()
             assert leaf.grad is not None
-            got += [lp.float(), ent.float(), leaf.grad.float()]
+            got += [lp.detach().float(), ent.detach().float(), leaf.grad.float()]
         for name, a, ref in zip(("logp", "entropy", "gradient"), got[:3], got[3:], strict=True):
             err = float((a - ref).abs().max())
             tol = 1e-3 * max(1.0, float(ref.abs().max()))

@@ -303,3 +303,30 @@ def test_compiled_decoder_layers_give_the_eager_update(tiny_task: Any) -> None:
     m_e = eager.update(b, num_mini_batches=1)
     m_c = compiled_w.update(b, num_mini_batches=1)
     assert m_c["actor/pg_loss"] == pytest.approx(m_e["actor/pg_loss"], abs=1e-5)
+
+
+@pytest.mark.parametrize("rows", [list(range(8)), [2, 3, 4], [5, 1, 6], [3, 3], []])
+def test_select_copies_the_rows_it_names_in_their_order(rows: list[int]) -> None:
+    """``Batch.select`` (a rank's shard, a mini-batch) equals indexing each column by ``rows``,
+    for a consecutive run (sliced and cloned) as for any other list, and is a copy."""
+    b = collate(
+        [_sample([1, 2 + i], [3 + i] * (1 + i % 3), f"g{i // 4}", score=float(i)) for i in range(8)], 0
+    )
+    b.extras["advantages"] = torch.arange(8.0)[:, None] * b.response_mask
+    idx = torch.as_tensor(rows, dtype=torch.long)
+    s = b.select(rows)
+    for name in (
+        "input_ids",
+        "attention_mask",
+        "position_ids",
+        "responses",
+        "response_mask",
+        "scores",
+        "group_index",
+    ):
+        assert torch.equal(getattr(s, name), getattr(b, name)[idx]), name
+    assert torch.equal(s.extras["advantages"], b.extras["advantages"][idx])
+    before = b.input_ids.clone()
+    s.input_ids.fill_(-1)
+    s.extras["advantages"].fill_(-1)
+    assert torch.equal(b.input_ids, before) and bool((b.extras["advantages"] >= 0).all())
