@@ -7,8 +7,12 @@ cannot start. Tests using it are marked `cluster` automatically.
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import secrets
+import subprocess
+import sys
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,6 +31,22 @@ _CLUSTER_FIXTURES = {"devcluster", "kubeconfig", "kube_api", "kubectl", "namespa
 # always fails, never by hypothesis's luck. Loaded before any test module builds its @settings.
 settings.register_profile("rlkube", derandomize=True, database=None, deadline=None, print_blob=True)
 settings.load_profile("rlkube")
+
+
+@pytest.fixture
+def triton_interpret() -> Callable[[str], dict[str, Any]]:
+    """Run a script under Triton's interpreter (``TRITON_INTERPRET=1``) in a subprocess, since the
+    flag is read when a kernel is defined; returns the JSON object on its last stdout line."""
+
+    def run(script: str) -> dict[str, Any]:
+        env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONSAFEPATH": "1", "OMP_NUM_THREADS": "1"}
+        proc = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600, check=False
+        )
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+    return run
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -9,11 +9,9 @@ interpreter cannot run) and falls back to PyTorch if a kernel disagrees.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import textwrap
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -189,20 +187,11 @@ ENGINE_SCRIPT = textwrap.dedent(
 )
 
 
-def _interpret(script: str) -> dict[str, Any]:
-    import json
-
+def test_triton_kernels_match_their_references_in_the_interpreter(
+    triton_interpret: Callable[[str], dict[str, Any]],
+) -> None:
     assert kernels.HAVE_TRITON, "triton is part of the test environment (torch's dependency)"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONSAFEPATH": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
-
-
-def test_triton_kernels_match_their_references_in_the_interpreter() -> None:
-    out = _interpret(KERNEL_SCRIPT.replace("MAX_HASH_SEED", str(seed_hashing_to(0xFFFFFFFF, 700))))
+    out = triton_interpret(KERNEL_SCRIPT.replace("MAX_HASH_SEED", str(seed_hashing_to(0xFFFFFFFF, 700))))
     for key in (
         "attention_torch.float32",
         "attention_torch.float16",
@@ -214,8 +203,10 @@ def test_triton_kernels_match_their_references_in_the_interpreter() -> None:
     assert out["extreme_hash_token"] == 0
 
 
-def test_engine_with_triton_kernels_equals_engine_without() -> None:
-    out = _interpret(ENGINE_SCRIPT)
+def test_engine_with_triton_kernels_equals_engine_without(
+    triton_interpret: Callable[[str], dict[str, Any]],
+) -> None:
+    out = triton_interpret(ENGINE_SCRIPT)
     assert out["kernels"] == {"attention": "triton", "sampling": "triton"}
     assert out["same_tokens"] and out["lp_err"] < 1e-5 and out["tf_err"] < LOGPROB_ATOL
 

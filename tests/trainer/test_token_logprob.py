@@ -10,11 +10,8 @@ starting at 1; the vocabulary is not a multiple of the kernel's block.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -72,18 +69,11 @@ SCRIPT = textwrap.dedent(
 )
 
 
-def _interpret() -> dict[str, Any]:
+def test_fused_kernels_match_the_float32_path_in_the_interpreter(
+    triton_interpret: Callable[[str], dict[str, Any]],
+) -> None:
     assert token_logprob.HAVE_TRITON, "triton is part of the test environment (torch's dependency)"
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONSAFEPATH": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True, timeout=600, check=False
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
-
-
-def test_fused_kernels_match_the_float32_path_in_the_interpreter() -> None:
-    out = _interpret()
+    out = triton_interpret(SCRIPT)
     assert out.pop("self_check") is None
     assert len(out) == 8
     for key, err in out.items():
