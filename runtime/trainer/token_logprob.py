@@ -225,8 +225,16 @@ def fused_kernel_problem(device: torch.device) -> str | None:
 
 
 def self_check(device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str | None:
-    """``None`` when the fused kernel agrees with the reference on ``device``, else why not."""
+    """``None`` when the fused kernel agrees with the reference on ``device``, else why not.
+
+    Runs with gradients on and autocast off whatever the caller's context: the first use is often a
+    ``no_grad`` pass (old or reference log-probs)."""
     g = torch.Generator(device="cpu").manual_seed(4321)
+    with torch.enable_grad(), torch.autocast(device_type=device.type, enabled=False):
+        return _compare_with_reference(device, dtype, g)
+
+
+def _compare_with_reference(device: torch.device, dtype: torch.dtype, g: torch.Generator) -> str | None:
     try:
         b, t, v = 3, 5, 5000  # vocabulary not a multiple of BLOCK: the last block is partial
         full = (torch.randn(b, t + 1, v, generator=g) * 4).to(device, dtype)

@@ -64,6 +64,8 @@ SCRIPT = textwrap.dedent(
                     "outside_window_grad_zero": bool((a_g[:, 0 if first else t] == 0).all()),
                 }
     out["self_check"] = tk.self_check(torch.device("cpu"), torch.float32)
+    with torch.no_grad():  # the trainer's first call is often a no-grad pass
+        out["self_check_no_grad"] = tk.self_check(torch.device("cpu"), torch.float32)
     print(json.dumps(out))
     """
 )
@@ -75,6 +77,7 @@ def test_fused_kernels_match_the_float32_path_in_the_interpreter(
     assert token_logprob.HAVE_TRITON, "triton is part of the test environment (torch's dependency)"
     out = triton_interpret(SCRIPT)
     assert out.pop("self_check") is None
+    assert out.pop("self_check_no_grad") is None
     assert len(out) == 8
     for key, err in out.items():
         # float16 logits: the gradient is rounded to float16 on the way back in both paths
