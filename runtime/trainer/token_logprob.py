@@ -25,6 +25,7 @@ Tested against the reference (values and gradients) in Triton's interpreter,
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -40,6 +41,8 @@ try:  # pragma: no cover - exercised on GPUs and, in interpreter mode, by the ke
     HAVE_TRITON = True
 except Exception:
     HAVE_TRITON = False
+
+log = logging.getLogger(__name__)
 
 BLOCK = 4096  # vocabulary entries per loop iteration of one program
 NUM_WARPS = 8
@@ -220,7 +223,11 @@ def fused_kernel_problem(device: torch.device) -> str | None:
         return "triton is not importable"
     key = (device.type, device.index)
     if key not in _CHECKED:
-        _CHECKED[key] = self_check(device)
+        _CHECKED[key] = problem = self_check(device)
+        if problem is not None:
+            log.warning(
+                "fused log-prob kernels off on %s (%s): the float32 PyTorch path runs", device, problem
+            )
     return _CHECKED[key]
 
 
