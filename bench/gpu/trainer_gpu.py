@@ -30,6 +30,7 @@ JSON to stdout and to ``$OUT/trainer-gpu.json`` when ``$OUT`` is set.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -52,6 +53,26 @@ COMPILE_CHOICES: dict[str, Any] = {"auto": "auto", "on": True, "off": False}
 def sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def update_profiler(on: bool) -> Any:
+    """A CPU + CUDA ``torch.profiler`` context when ``on``, else one that yields ``None``."""
+    if not on:
+        return contextlib.nullcontext()
+    from torch.profiler import ProfilerActivity, profile
+
+    return profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+
+
+def write_profile(
+    prof: Any, title: str, sort_keys: tuple[str, ...] = ("cuda_time_total",), rows: int = 45
+) -> None:
+    """Append the profile's kernel table(s) to ``$OUT/trainer-profile.txt``."""
+    with open(Path(os.environ.get("OUT", "."), "trainer-profile.txt"), "a") as f:
+        for key in sort_keys:
+            table = prof.key_averages().table(sort_by=key, row_limit=rows, max_name_column_width=70)
+            suffix = f", by {key}" if len(sort_keys) > 1 else ""
+            f.write(f"===== {title}{suffix}\n{table}\n")
 
 
 def job_lengths(job: str, args: argparse.Namespace, step: int) -> tuple[list[int], list[int], int]:
@@ -182,30 +203,24 @@ def rlkube_grpo(
             if args.update_path == "group" or (args.update_path == "both" and step % 2 == 1)
             else "direct"
         )
-        prof = None
-        if args.profile_step == step and device.type == "cuda":  # this step's update, in the loop
-            from torch.profiler import ProfilerActivity, profile
-
-            prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-            prof.__enter__()
-        t_up = time.perf_counter()
-        if path == "group":
-            rows: dict[int, list[int]] = {}
-            for i, gi in enumerate(batch_t.group_index.tolist()):
-                rows.setdefault(gi, []).append(i)
-            (plan,) = split_rows(list(rows.values()), num_mini, 1)
-            group_of_ranks.call("update", [((batch_t.select(plan), num_mini, epochs, True), {})])
-        else:
-            actor.update(batch_t, num_mini_batches=num_mini, epochs=epochs)
-            actor.lr_step()
-        sync(device)
-        t_update = time.perf_counter() - t_up
+        # --profile-step: this step's update, inside the loop
+        with update_profiler(args.profile_step == step and device.type == "cuda") as prof:
+            t_up = time.perf_counter()
+            if path == "group":
+                rows: dict[int, list[int]] = {}
+                for i, gi in enumerate(batch_t.group_index.tolist()):
+                    rows.setdefault(gi, []).append(i)
+                (plan,) = split_rows(list(rows.values()), num_mini, 1)
+                group_of_ranks.call("update", [((batch_t.select(plan), num_mini, epochs, True), {})])
+            else:
+                actor.update(batch_t, num_mini_batches=num_mini, epochs=epochs)
+                actor.lr_step()
+            sync(device)
+            t_update = time.perf_counter() - t_up
         if prof is not None:
-            prof.__exit__(None, None, None)
-            with open(Path(os.environ.get("OUT", "."), "trainer-profile.txt"), "a") as f:
-                for key in ("cuda_time_total", "cpu_time_total"):
-                    table = prof.key_averages().table(sort_by=key, row_limit=30, max_name_column_width=70)
-                    f.write(f"===== {size} {job}: step {step} update ({path}), by {key}\n{table}\n")
+            write_profile(
+                prof, f"{size} {job}: step {step} update ({path})", ("cuda_time_total", "cpu_time_total"), 30
+            )
         t_train = time.perf_counter() - t0
         t0 = time.perf_counter()
         if args.weight_sync == "direct":  # what the trainer does in one process (full sync)
@@ -248,7 +263,6 @@ def rlkube_grpo(
             }
         )
     if args.profile and device.type == "cuda":  # the last batch once more by each path, profiled
-        from torch.profiler import ProfilerActivity, profile
 
         def by_group() -> None:
             group_of_ranks.call("update", [((batch_t, num_mini, epochs, False), {})])
@@ -257,14 +271,10 @@ def rlkube_grpo(
             actor.update(batch_t, num_mini_batches=num_mini, epochs=epochs)
 
         for name, fn in (("direct", direct), ("rank group", by_group)):
-            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            with update_profiler(True) as prof:
                 fn()
                 sync(device)
-            table = prof.key_averages().table(
-                sort_by="cuda_time_total", row_limit=45, max_name_column_width=70
-            )
-            with open(Path(os.environ.get("OUT", "."), "trainer-profile.txt"), "a") as f:
-                f.write(f"===== {size} {job}: one update ({name}), micro-batch {args.micro_batch}\n{table}\n")
+            write_profile(prof, f"{size} {job}: one update ({name}), micro-batch {args.micro_batch}")
     engine_compiled = getattr(engine.decoder, "compiled", None)
     compile_error = getattr(engine.decoder, "compile_error", None)
     kernels_used = engine.decoder.kernels_used

@@ -8,7 +8,7 @@ The logits predicting response token ``j`` are at column ``P - 1 + j``.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -72,6 +72,20 @@ class Batch:
         """Valid response tokens."""
         return int(self.response_mask.sum().item())
 
+    def map_tensors(self, fn: Callable[[Tensor], Tensor]) -> Batch:
+        """The same batch with ``fn`` applied to every tensor (columns and extras)."""
+        return Batch(
+            input_ids=fn(self.input_ids),
+            attention_mask=fn(self.attention_mask),
+            position_ids=fn(self.position_ids),
+            responses=fn(self.responses),
+            response_mask=fn(self.response_mask),
+            prompt_width=self.prompt_width,
+            scores=fn(self.scores),
+            group_index=fn(self.group_index),
+            extras={k: fn(v) for k, v in self.extras.items()},
+        )
+
     def select(self, rows: Sequence[int] | Tensor) -> Batch:
         """A sub-batch (mini- or micro-batch, a rank's shard) with the same column layout, copied.
 
@@ -83,57 +97,15 @@ class Batch:
         n = int(idx.numel())
         if n and bool((idx == torch.arange(int(idx[0]), int(idx[0]) + n)).all()):
             start = int(idx[0])
-            view = self.rows(start, start + n)
-            return Batch(
-                input_ids=view.input_ids.clone(),
-                attention_mask=view.attention_mask.clone(),
-                position_ids=view.position_ids.clone(),
-                responses=view.responses.clone(),
-                response_mask=view.response_mask.clone(),
-                prompt_width=self.prompt_width,
-                scores=view.scores.clone(),
-                group_index=view.group_index.clone(),
-                extras={k: v.clone() for k, v in view.extras.items()},
-            )
-        idx = idx.to(self.input_ids.device)
-        return Batch(
-            input_ids=self.input_ids.index_select(0, idx),
-            attention_mask=self.attention_mask.index_select(0, idx),
-            position_ids=self.position_ids.index_select(0, idx),
-            responses=self.responses.index_select(0, idx),
-            response_mask=self.response_mask.index_select(0, idx),
-            prompt_width=self.prompt_width,
-            scores=self.scores.index_select(0, idx),
-            group_index=self.group_index.index_select(0, idx),
-            extras={k: v.index_select(0, idx.to(v.device)) for k, v in self.extras.items()},
-        )
+            return self.map_tensors(lambda t: t[start : start + n].clone())
+        return self.map_tensors(lambda t: t.index_select(0, idx.to(t.device)))
 
     def rows(self, start: int, stop: int) -> Batch:
         """Rows ``[start, stop)`` as views: no copy and, on a GPU, no host sync (unlike ``select``)."""
-        return Batch(
-            input_ids=self.input_ids[start:stop],
-            attention_mask=self.attention_mask[start:stop],
-            position_ids=self.position_ids[start:stop],
-            responses=self.responses[start:stop],
-            response_mask=self.response_mask[start:stop],
-            prompt_width=self.prompt_width,
-            scores=self.scores[start:stop],
-            group_index=self.group_index[start:stop],
-            extras={k: v[start:stop] for k, v in self.extras.items()},
-        )
+        return self.map_tensors(lambda t: t[start:stop])
 
     def to(self, device: torch.device | str) -> Batch:
-        return Batch(
-            input_ids=self.input_ids.to(device),
-            attention_mask=self.attention_mask.to(device),
-            position_ids=self.position_ids.to(device),
-            responses=self.responses.to(device),
-            response_mask=self.response_mask.to(device),
-            prompt_width=self.prompt_width,
-            scores=self.scores.to(device),
-            group_index=self.group_index.to(device),
-            extras={k: v.to(device) for k, v in self.extras.items()},
-        )
+        return self.map_tensors(lambda t: t.to(device))
 
 
 def collate(samples: Sequence[Sample], pad_id: int) -> Batch:
