@@ -19,7 +19,7 @@ prefill per distinct prompt. ``fraction_of_bound`` = bound time / measured time 
     python bench/gpu/rollout_gpu.py --smoke          # CPU: tiny shapes, seconds (tested in CI)
 
 Writes JSON to stdout and to ``$OUT/rollout-gpu.json`` when ``$OUT`` is set (``--profile`` also
-writes a kernel table of the b64 decode to ``$OUT/rollout-profile.txt``).
+writes kernel tables of the b64 and b512 decode to ``$OUT/rollout-profile.txt``).
 """
 
 from __future__ import annotations
@@ -179,13 +179,17 @@ def run_generate(model: Any, args: argparse.Namespace, dev: torch.device) -> dic
     return {"tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt, "peak_memory_gib": peak_gib(dev)}
 
 
-def profile_decode(model: Any, args: argparse.Namespace, dev: torch.device, out_dir: Path, size: str) -> None:
-    """Kernel table of the b64 shape's decode (graph replays included) -> rollout-profile.txt."""
+def profile_decode(
+    model: Any, args: argparse.Namespace, dev: torch.device, out_dir: Path, size: str, prompts: int
+) -> None:
+    """Kernel table of ``prompts`` x ``samples`` rows decoding 128 tokens (graph replays included)
+    -> rollout-profile.txt."""
     from torch.profiler import ProfilerActivity, profile
 
-    engine = HFEngine(model=model, num_slots=args.prompts * args.samples, max_seq_len=args.prompt_len + 129)
+    rows = prompts * args.samples
+    engine = HFEngine(model=model, num_slots=rows, max_seq_len=args.prompt_len + 129)
     try:
-        p_lens, r_lens = [args.prompt_len] * args.prompts, [128] * (args.prompts * args.samples)
+        p_lens, r_lens = [args.prompt_len] * prompts, [128] * rows
         vocab = model.config.vocab_size
         engine.generate(make_requests("p", vocab, p_lens, r_lens, args.samples, seed=3))
         sync(dev)
@@ -195,7 +199,8 @@ def profile_decode(model: Any, args: argparse.Namespace, dev: torch.device, out_
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=70)
         with open(out_dir / "rollout-profile.txt", "a") as f:
             f.write(
-                f"===== {size}: b64 decode, 128 new tokens, kernels {engine.decoder.kernels_used}\n{table}\n"
+                f"===== {size}: b{rows} decode, 128 new tokens, "
+                f"kernels {engine.decoder.kernels_used}\n{table}\n"
             )
     finally:
         engine.shutdown()
@@ -243,7 +248,8 @@ def bench_size(
         res["speedup_vs_generate_b64"] = res["b64"]["tokens_per_s"] / gen["tokens_per_s"]
     if args.profile and dev.type == "cuda":
         try:
-            profile_decode(model, args, dev, Path(os.environ.get("OUT", ".")), size)
+            for prompts in (args.prompts, args.rl_prompts):  # the b64 and b512 rows
+                profile_decode(model, args, dev, Path(os.environ.get("OUT", ".")), size, prompts)
         except Exception as exc:
             res["profile_error"] = f"{type(exc).__name__}: {exc}"
     del model
@@ -266,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--kernels", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--skip-generate", action="store_true")
-    ap.add_argument("--profile", action="store_true", help="kernel table of the b64 decode (GPU)")
+    ap.add_argument("--profile", action="store_true", help="kernel tables of the b64 and b512 decode (GPU)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, seconds")
     args = ap.parse_args(argv)
     if args.smoke:

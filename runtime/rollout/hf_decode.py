@@ -10,10 +10,12 @@ only every few steps.
 - **Batch buckets**: the engine keeps live samples in the lowest rows (it moves a sample's KV
   down when rows free up), and a step runs over the smallest bucket of rows that holds them, so
   a batch whose samples finish at different lengths stops paying for the finished ones.
-- **Attention over each row's own length**: on GPUs a Triton flash-decoding kernel
-  (``kernels.decode_attention``) reads only the KV a row has, so mixed lengths do not pay for the
-  longest and the KV length is not part of the graph's key. Elsewhere (the CPU, or a kernel that
-  failed its start-up self-check) SDPA runs over a 128-aligned KV prefix bucket with a mask.
+- **Attention over each row's own length**: on GPUs one Triton flash-decoding kernel per layer
+  takes the q/k/v projection's output, applies RoPE, writes the new K/V into the cache and attends
+  over only the KV the row has (``kernels.TritonDecodeAttention.rope_attend``), so mixed lengths
+  do not pay for the longest and the KV length is not part of the graph's key. Elsewhere (the CPU,
+  or a kernel that failed its start-up self-check) SDPA runs over a 128-aligned KV prefix bucket
+  with a mask, after RoPE and the cache write in PyTorch.
 - **Sampling in one pass**: Gumbel-max over the logits, token and raw log-probability from one
   read of the vocabulary (a Triton kernel on GPUs; the same maths in PyTorch elsewhere). Top-p,
   when a slot asks for it, adds a sort.
@@ -26,9 +28,12 @@ tensor becomes the storage and the HF modules' weights become views into it, so 
 written into the HF parameters lands in the fused weights too (no re-copy, no second copy in
 memory) and captured graphs stay valid.
 
-``compile_step="auto"`` compiles the two per-layer functions around attention with torch.compile on
-CUDA (inductor fuses the norm, RoPE and SiLU chains; one compile serves every layer and, after one
-recompile with a dynamic batch, every bucket) and falls back to eager, recording why, if it fails.
+A layer of a decode step is: norm + q/k/v GEMM, the attention kernel, the o GEMM accumulating into
+the residual in place (cuBLAS's C operand, no copy of the residual first), norm + gate/up GEMM +
+SiLU, the down GEMM into the residual in place. ``compile_step="auto"`` compiles the pure pieces
+around the GEMMs (the norms, SiLU, the slots' bookkeeping after sampling) with torch.compile on CUDA
+(one compile serves every layer and, after one recompile with a dynamic batch, every bucket) and
+falls back to eager, recording why, if it fails.
 Logprobs are raw ``log_softmax(logits)`` of the sampled token (see ``rollout.base``).
 """
 
@@ -84,6 +89,12 @@ def batch_buckets(num_slots: int) -> list[int]:
 class StaticDecoder:
     """Owns the KV cache and runs prefill / decode steps over ``num_slots`` rows."""
 
+    # the step's pure functions: plain PyTorch, or torch.compile'd on CUDA
+    _pre_fn: Callable[..., Any]
+    _qkv_fn: Callable[..., Any]
+    _mlp_in_fn: Callable[..., Any]
+    _advance_fn: Callable[..., Any]
+
     def __init__(
         self,
         model: Any,
@@ -130,7 +141,7 @@ class StaticDecoder:
         self.cos = cos[0].to(self.dtype).contiguous()
         half = self.head_dim // 2
         sin = sin[0].to(self.dtype)
-        self.sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).contiguous()  # signed for _rope
+        self.sin = torch.cat([-sin[:, :half], sin[:, half:]], dim=-1).contiguous()  # signed: kernels.rope
         self._fused: list[tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]] = []
         self.refresh_fused()
         self.state = SlotState(
@@ -156,17 +167,25 @@ class StaticDecoder:
         self.compiled = dev.type == "cuda" if compile_step == "auto" else bool(compile_step)
         self.compile_error: str | None = None  # traceback of a failed compile (then eager)
         self._compiled_ok: set[tuple[int, int]] = set()  # (rows, kv_len) steps that ran compiled
-        self._pre_fn: Callable[..., Any] = layer_pre_attention
-        self._post_fn: Callable[..., Any] = layer_post_attention
+        self._use_eager_functions()
         if self.compiled:
             self._pre_fn = torch.compile(layer_pre_attention)
-            self._post_fn = torch.compile(layer_post_attention)
+            self._qkv_fn = torch.compile(layer_qkv)
+            self._mlp_in_fn = torch.compile(layer_mlp_in)
+            self._advance_fn = torch.compile(advance_slots)
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
         # host-side counters (benchmarks and tests read them): steps per batch bucket, rows moved
         self.steps_by_bucket: dict[int, int] = {}
         self.rows_moved = 0
         self.prefill_forwards = 0
+
+    def _use_eager_functions(self) -> None:
+        """The step's pure functions as plain PyTorch (``torch.compile`` wraps them on CUDA)."""
+        self._pre_fn = layer_pre_attention
+        self._qkv_fn = layer_qkv
+        self._mlp_in_fn = layer_mlp_in
+        self._advance_fn = advance_slots
 
     # ---- kernels ---------------------------------------------------------------------------
     def _init_kernels(self, setting: KernelSetting) -> None:
@@ -176,6 +195,7 @@ class StaticDecoder:
         self.kernel_errors: dict[str, str] = {}
         self._attention: Any = None
         self._sampler: Any = None
+
         want = setting is True or (setting == "auto" and self.device.type == "cuda")
         if not want:
             return
@@ -310,8 +330,8 @@ class StaticDecoder:
             h = F.rms_norm(x, (x.shape[-1],), norm1, self.eps)
             qkv = F.linear(h, w_qkv, b_qkv)
             nq, nk = self.n_heads * D, self.n_kv * D
-            q = _rope(qkv[..., :nq].view(g, P, self.n_heads, D).transpose(1, 2), cos, sin)
-            k = _rope(qkv[..., nq : nq + nk].view(g, P, self.n_kv, D).transpose(1, 2), cos, sin)
+            q = kernels.rope(qkv[..., :nq].view(g, P, self.n_heads, D).transpose(1, 2), cos, sin)
+            k = kernels.rope(qkv[..., nq : nq + nk].view(g, P, self.n_kv, D).transpose(1, 2), cos, sin)
             v = qkv[..., nq + nk :].view(g, P, self.n_kv, D).transpose(1, 2)
             self.k_cache[i][slot_idx, :, :P] = k[src]
             self.v_cache[i][slot_idx, :, :P] = v[src]
@@ -359,37 +379,29 @@ class StaticDecoder:
     def _decode_step(self, nb: int, kv_len: int) -> None:
         """One token for every running slot among rows ``[0, nb)``."""
         s, D = self.state, self.head_dim
-        rows = self._rows[:nb]
         pos = s.pos[:nb].clamp(max=self.S - 1)
         x = self.inner.embed_tokens(s.cur_tok[:nb])  # [nb, H]
-        cos, sin = self.cos[pos][:, None], self.sin[pos][:, None]  # [nb, 1, D]
-        seq_len = pos + 1
-        dims = (self.n_heads, self.n_kv, D)
+        att_kernel = self._attention
         for i in range(len(self.layers)):
-            pre, post = self._layer_weights(i)
+            pre, (w_o, b_o, norm2, w_gu, w_down, b_down) = self._layer_weights(i)
             kc, vc = self.k_cache[i], self.v_cache[i]
-            x, q = self._pre_fn(x, cos, sin, rows, pos, kc, vc, pre, self.eps, dims)
-            if self._attention is not None:
-                att = self._attention(q, kc, vc, seq_len)
+            if att_kernel is not None:  # RoPE, the K/V write and attention in one kernel
+                qkv = self._qkv_fn(x, pre, self.eps)
+                att = att_kernel.rope_attend(qkv, self.cos, self.sin, pos, kc, vc, self.n_heads)
             else:
-                att = kernels.decode_attention_ref(q, kc, vc, seq_len, kv_len)
-            x = self._post_fn(x, att.reshape(nb, self.n_heads * D), post, self.eps)
+                q = self._pre_fn(x, self.cos, self.sin, pos, kc, vc, pre, self.eps, self.n_heads)
+                att = kernels.decode_attention_ref(q, kc, vc, pos + 1, kv_len)
+            # residual GEMMs in place: the residual is cuBLAS's C operand, no copy of it first
+            x = _residual_linear_(x, att.reshape(nb, self.n_heads * D), w_o, b_o)
+            x = _residual_linear_(x, self._mlp_in_fn(x, norm2, w_gu, self.eps), w_down, b_down)
         logits = self._head(x)
         tok, lp = self.sample(
             logits, s.temperature[:nb], s.top_p[:nb], s.key[:nb], s.n_gen[:nb], self.any_top_p
         )
-        run = s.running[:nb]
-        col = s.n_gen[:nb].clamp(max=self.T)
-        out_tok, out_lp = s.out_tok[:nb], s.out_lp[:nb]
-        out_tok[rows, col] = torch.where(run, tok, out_tok[rows, col])
-        out_lp[rows, col] = torch.where(run, lp, out_lp[rows, col])
-        n_gen = s.n_gen[:nb] + run.long()
-        hit = (s.stop_ids[:nb] == tok[:, None]).any(-1) & run
-        s.stopped[:nb].copy_(s.stopped[:nb] | hit)
-        s.running[:nb].copy_(run & ~hit & (n_gen < s.max_new[:nb]))
-        s.n_gen[:nb].copy_(n_gen)
-        s.cur_tok[:nb].copy_(torch.where(run, tok, s.cur_tok[:nb]))
-        s.pos[:nb].copy_(s.pos[:nb] + run.long())
+        self._advance_fn(
+            tok, lp, self._rows[:nb], s.cur_tok[:nb], s.pos[:nb], s.n_gen[:nb], s.max_new[:nb],
+            s.running[:nb], s.stopped[:nb], s.stop_ids[:nb], s.out_tok[:nb], s.out_lp[:nb], self.T,
+        )  # fmt: skip
 
     @torch.no_grad()
     def decode(self, nb: int, kv_len: int = 0) -> None:
@@ -428,7 +440,7 @@ class StaticDecoder:
             for k, v in snap.items():
                 getattr(self.state, k).copy_(v)
             self.compiled = False
-            self._pre_fn, self._post_fn = layer_pre_attention, layer_post_attention
+            self._use_eager_functions()
             self._graphs.clear()
             return run()
 
@@ -476,48 +488,78 @@ class StaticDecoder:
         self._graphs.clear()
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    # rotate_half(x) * sin == roll(x, D/2) * [-sin_1, sin_2]: 3 kernels instead of 6
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+def advance_slots(
+    tok: torch.Tensor,
+    lp: torch.Tensor,
+    rows: torch.Tensor,
+    cur_tok: torch.Tensor,
+    pos: torch.Tensor,
+    n_gen: torch.Tensor,
+    max_new: torch.Tensor,
+    running: torch.Tensor,
+    stopped: torch.Tensor,
+    stop_ids: torch.Tensor,
+    out_tok: torch.Tensor,
+    out_lp: torch.Tensor,
+    max_tokens: int,
+) -> None:
+    """Record each running row's sampled token and move it on; stop rows on a stop id or their budget.
+
+    Updates the slot tensors in place (rows ``[0, len(tok))``); pure otherwise, so one compile
+    fuses the dozen small ops into a kernel or two.
+    """
+    run = running.clone()
+    col = n_gen.clamp(max=max_tokens)
+    out_tok[rows, col] = torch.where(run, tok, out_tok[rows, col])
+    out_lp[rows, col] = torch.where(run, lp, out_lp[rows, col])
+    new_n = n_gen + run.long()
+    hit = (stop_ids == tok[:, None]).any(-1) & run
+    stopped.copy_(stopped | hit)
+    running.copy_(run & ~hit & (new_n < max_new))
+    n_gen.copy_(new_n)
+    cur_tok.copy_(torch.where(run, tok, cur_tok))
+    pos.copy_(pos + run.long())
+
+
+def layer_qkv(x: torch.Tensor, weights: tuple[Any, ...], eps: float) -> torch.Tensor:
+    """Norm and the fused q/k/v projection: ``x`` [B, H] -> ``qkv`` [B, (H + 2 Hkv) D]."""
+    norm, w_qkv, b_qkv = weights
+    return F.linear(F.rms_norm(x, (x.shape[-1],), norm, eps), w_qkv, b_qkv)
 
 
 def layer_pre_attention(
     x: torch.Tensor,
     cos: torch.Tensor,
     signed_sin: torch.Tensor,
-    rows: torch.Tensor,
     pos: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     weights: tuple[Any, ...],
     eps: float,
-    dims: tuple[int, int, int],
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Norm, fused q/k/v, RoPE, and the new K/V written at each row's position.
+    n_heads: int,
+) -> torch.Tensor:
+    """Norm, q/k/v, RoPE and the new K/V written at each row's ``pos``; returns q [B, Hkv, G, D].
 
-    ``x`` [B, H] -> (``x``, ``q`` [B, Hkv, G, D]: the query heads of one KV head as its queries).
-    A pure function of its tensors (no module access), so one torch.compile serves every layer.
+    The path without the Triton attention kernel (which does the RoPE and the write itself). A pure
+    function of its tensors (no module access), so one torch.compile serves every layer.
     """
-    norm, w_qkv, b_qkv = weights
-    n_heads, n_kv, d = dims
-    bsz = x.shape[0]
-    nqk = n_heads + n_kv
-    qkv = F.linear(F.rms_norm(x, (x.shape[-1],), norm, eps), w_qkv, b_qkv)  # [B, (H + 2 Hkv) D]
-    qk = _rope(qkv[:, : nqk * d].view(bsz, nqk, d), cos, signed_sin)  # q and k are adjacent: one RoPE
-    q = qk[:, :n_heads].reshape(bsz, n_kv, n_heads // n_kv, d)
-    k_cache[rows, :, pos] = qk[:, n_heads:]
-    v_cache[rows, :, pos] = qkv[:, nqk * d :].view(bsz, n_kv, d)
-    return x, q
+    qkv = layer_qkv(x, weights, eps)
+    return kernels.rope_and_store_kv(qkv, cos, signed_sin, pos, k_cache, v_cache, n_heads)
+
+
+def layer_mlp_in(x: torch.Tensor, norm: torch.Tensor, w_gate_up: torch.Tensor, eps: float) -> torch.Tensor:
+    """Norm, the fused gate/up projection and ``silu(gate) * up``: the down projection's input."""
+    g, u = F.linear(F.rms_norm(x, (x.shape[-1],), norm, eps), w_gate_up).chunk(2, dim=-1)
+    return F.silu(g) * u
 
 
 def layer_post_attention(
     x: torch.Tensor, att: torch.Tensor, weights: tuple[Any, ...], eps: float
 ) -> torch.Tensor:
-    """o_proj with the residual, then the gated MLP with the residual (``x`` [..., H])."""
+    """o_proj with the residual, then the gated MLP with the residual (``x`` [..., H]; prefill)."""
     w_o, b_o, norm, w_gu, w_down, b_down = weights
     x = _residual_linear(x, att, w_o, b_o)
-    g, u = F.linear(F.rms_norm(x, (x.shape[-1],), norm, eps), w_gu).chunk(2, dim=-1)
-    return _residual_linear(x, F.silu(g) * u, w_down, b_down)
+    return _residual_linear(x, layer_mlp_in(x, norm, w_gu, eps), w_down, b_down)
 
 
 def _residual_linear(
@@ -528,6 +570,16 @@ def _residual_linear(
         return x + F.linear(h, weight, bias)
     shape = x.shape
     return torch.addmm(x.reshape(-1, shape[-1]), h.reshape(-1, h.shape[-1]), weight.t()).view(shape)
+
+
+def _residual_linear_(
+    x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
+    """``x += h @ weight.T (+ bias)`` for a 2-D ``x`` the caller owns (the decode step's residual)."""
+    x.addmm_(h, weight.t())
+    if bias is not None:
+        x.add_(bias)
+    return x
 
 
 def _bind_views(fused: torch.Tensor, params: list[Any]) -> None:

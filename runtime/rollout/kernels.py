@@ -3,11 +3,14 @@
 Two operations, each with a plain PyTorch reference (the CPU path, and the fallback wherever
 Triton is missing or its self-check fails) and a Triton kernel (CUDA/ROCm):
 
-- ``decode_attention``: one new query token per row, GQA (the query heads of one KV head are
-  processed together), attending over the first ``seq_len[row]`` cached positions of that row only.
-  The Triton kernel splits each row's KV range into fixed chunks (flash-decoding) and skips chunks
-  past the row's length, so a batch of mixed lengths reads only the KV it needs, and the KV length
-  is not a shape: one CUDA graph serves every length.
+- ``rope_attention``: from the q/k/v projection's output, RoPE on q and the new k, the new k and v
+  written into the cache at the row's position, and attention of that one query token per row
+  (GQA: the query heads of one KV head are processed together) over the row's own positions up to
+  and including it. The Triton kernel splits each row's KV range into fixed chunks
+  (flash-decoding; one chunk, and no combine kernel, when that already fills the GPU) and skips
+  chunks past the row's length, so a batch of mixed lengths reads only the KV it needs and the KV
+  length is not a shape: one CUDA graph serves every length. Doing RoPE and the cache write here
+  saves the three or four small kernels per layer they cost on their own.
 - ``sample_tokens``: Gumbel-max sampling, ``argmax(logits / T + g)`` with ``g = -log(-log(u))``,
   which draws exactly from ``softmax(logits / T)``; the uniforms ``u`` are a hash of (row seed,
   vocabulary index), so a seeded sample is reproducible whatever shares the batch and on any
@@ -90,6 +93,52 @@ def top_p_keep(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Ten
     return ~torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
 
 
+def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE: ``rotate_half(x) * sin == roll(x, D/2) * signed_sin``, three kernels, not six."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+
+
+def rope_and_store_kv(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    pos: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    n_heads: int,
+) -> torch.Tensor:
+    """RoPE on q and k of the projection output ``qkv`` [B, (H + 2 Hkv) D]; k and v written into
+    the caches at each row's ``pos``; returns q [B, Hkv, G, D].
+
+    ``cos`` / ``signed_sin`` are the ``[S, D]`` tables, the sine's first half negated, so that
+    ``rotate_half(x) * sin == roll(x, D/2) * signed_sin``.
+    """
+    b, n_kv, d = qkv.shape[0], k_cache.shape[1], k_cache.shape[3]
+    nqk = n_heads + n_kv
+    qk = qkv[:, : nqk * d].view(b, nqk, d)
+    c, sn = cos[pos][:, None], signed_sin[pos][:, None]
+    qk = rope(qk, c, sn)  # q and k are adjacent: one RoPE
+    rows = torch.arange(b, device=qkv.device)
+    k_cache[rows, :, pos] = qk[:, n_heads:]
+    v_cache[rows, :, pos] = qkv[:, nqk * d :].view(b, n_kv, d)
+    return qk[:, :n_heads].reshape(b, n_kv, n_heads // n_kv, d)
+
+
+def rope_attention_ref(
+    qkv: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
+    pos: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    n_heads: int,
+) -> torch.Tensor:
+    """What ``TritonDecodeAttention.rope_attend`` computes: ``rope_and_store_kv`` then attention
+    over each row's positions up to and including ``pos``."""
+    q = rope_and_store_kv(qkv, cos, signed_sin, pos, k_cache, v_cache, n_heads)
+    return decode_attention_ref(q, k_cache, v_cache, pos + 1, int(pos.max()) + 1)
+
+
 def decode_attention_ref(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, seq_len: torch.Tensor, kv_len: int
 ) -> torch.Tensor:
@@ -117,85 +166,138 @@ except Exception:
 if HAVE_TRITON:
 
     @triton.jit
-    def _attn_split_kernel(
-        Q,
+    def _attend(q, k_base, v_base, start, end, sk_s, sv_s, m_i, l_i, acc, scale, BLOCK_N: tl.constexpr,
+                D: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+        """Online-softmax attention of the queries ``q`` [G, D] over cached positions [start, end)."""
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, D)
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + offs_n
+            nmask = n < end
+            k = tl.load(k_base + n[:, None] * sk_s + offs_d[None, :], mask=nmask[:, None], other=0.0)
+            if IEEE:  # noqa: SIM108 - a constexpr branch inside a Triton kernel
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(nmask[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = tl.load(v_base + n[:, None] * sv_s + offs_d[None, :], mask=nmask[:, None], other=0.0)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
+        return m_i, l_i, acc
+
+    @triton.jit
+    def _finish(m_i, l_i, acc, b, h, sp, n_heads_kv, n_splits, G, O_PART, M_PART, L_PART, OUT, so_b, so_h,
+                so_g, BLOCK_G: tl.constexpr, D: tl.constexpr, DIRECT: tl.constexpr):  # fmt: skip
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_d = tl.arange(0, D)
+        if DIRECT:  # one split covers every row: normalise here, no combine kernel
+            ptr = OUT + b * so_b + h * so_h + offs_g[:, None] * so_g + offs_d[None, :]
+            tl.store(ptr, (acc / l_i[:, None]).to(OUT.dtype.element_ty), mask=(offs_g < G)[:, None])
+        else:  # partials laid out [B, Hkv, n_splits, BLOCK_G(, D)], contiguous
+            row = (b * n_heads_kv + h) * n_splits + sp
+            tl.store(M_PART + row * BLOCK_G + offs_g, m_i)
+            tl.store(L_PART + row * BLOCK_G + offs_g, l_i)
+            tl.store(O_PART + (row * BLOCK_G + offs_g[:, None]) * D + offs_d[None, :], acc)
+
+    @triton.jit
+    def _rope_row(QKV, col0, c, s, D: tl.constexpr):
+        """RoPE of the ``D`` values at ``QKV + col0`` (rotate-half; ``s`` is the signed sine), float32."""
+        d = tl.arange(0, D)
+        x = tl.load(QKV + col0 + d).to(tl.float32)
+        x_p = tl.load(QKV + col0 + (d + D // 2) % D).to(tl.float32)
+        return x * c + x_p * s
+
+    @triton.jit
+    def _rope_attn_split_kernel(
+        QKV,
+        COS,
+        SIN,
+        POS,
         K,
         V,
-        SEQ,
         O_PART,
         M_PART,
         L_PART,
-        sq_b,
-        sq_h,
-        sq_g,
+        OUT,
+        s_qkv,
+        s_cs,
         sk_b,
         sk_h,
         sk_s,
         sv_b,
         sv_h,
         sv_s,
+        so_b,
+        so_h,
+        so_g,
         n_splits,
         G,
         scale,
+        N_HEADS: tl.constexpr,
         SPLIT: tl.constexpr,
         BLOCK_N: tl.constexpr,
         BLOCK_G: tl.constexpr,
         D: tl.constexpr,
         IEEE: tl.constexpr,
+        DIRECT: tl.constexpr,
     ):
+        """One (row, KV head, split) program: RoPE on q and the new k, the new k and v written at
+        the row's position ``POS`` (by the split holding it), attention over the cached positions
+        of the split before it plus, in that split, the new token from registers."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.program_id(2)
-        n_heads_kv = tl.num_programs(1)
-        seq = tl.load(SEQ + b).to(tl.int32)
+        n_kv = tl.num_programs(1)
+        pos = tl.load(POS + b).to(tl.int32)
         start = sp * SPLIT
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, D)
-        offs_n = tl.arange(0, BLOCK_N)
         gmask = offs_g < G
         m_i = tl.full([BLOCK_G], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_G], tl.float32)
         acc = tl.zeros([BLOCK_G, D], tl.float32)
-        end = tl.minimum(start + SPLIT, seq)
-        if start < seq:
-            q = tl.load(
-                Q + b * sq_b + h * sq_h + offs_g[:, None] * sq_g + offs_d[None, :],
-                mask=gmask[:, None],
-                other=0.0,
-            )
-            k_base = K + b * sk_b + h * sk_h
-            v_base = V + b * sv_b + h * sv_h
-            for n0 in range(start, end, BLOCK_N):
-                n = n0 + offs_n
-                nmask = n < end
-                k = tl.load(k_base + n[:, None] * sk_s + offs_d[None, :], mask=nmask[:, None], other=0.0)
-                if IEEE:  # noqa: SIM108 - a constexpr branch inside a Triton kernel
-                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(k))
-                s = tl.where(nmask[None, :], s * scale, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                p = tl.exp(s - m_new[:, None])
+        if start <= pos:
+            row = QKV + b * s_qkv
+            c = tl.load(COS + pos * s_cs + offs_d).to(tl.float32)
+            sn = tl.load(SIN + pos * s_cs + offs_d).to(tl.float32)
+            qcol = (h * G + offs_g[:, None]) * D  # query heads h*G .. h*G+G-1
+            q = tl.load(row + qcol + offs_d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
+            q_p = tl.load(row + qcol + (offs_d[None, :] + D // 2) % D, mask=gmask[:, None], other=0.0)
+            q = (q * c[None, :] + q_p.to(tl.float32) * sn[None, :]).to(K.dtype.element_ty)
+            m_i, l_i, acc = _attend(
+                q, K + b * sk_b + h * sk_h, V + b * sv_b + h * sv_h, start, tl.minimum(start + SPLIT, pos),
+                sk_s, sv_s, m_i, l_i, acc, scale, BLOCK_N, D, IEEE,
+            )  # fmt: skip
+            if pos < start + SPLIT:  # this split holds the new token: store its k, v and attend to it
+                k_new = _rope_row(row, (N_HEADS + h) * D, c, sn, D).to(K.dtype.element_ty)
+                v_new = tl.load(row + (N_HEADS + n_kv + h) * D + offs_d)
+                tl.store(K + b * sk_b + h * sk_h + pos * sk_s + offs_d, k_new)
+                tl.store(V + b * sv_b + h * sv_h + pos * sv_s + offs_d, v_new)
+                s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1) * scale
+                m_new = tl.maximum(m_i, s_new)
+                p = tl.exp(s_new - m_new)
                 alpha = tl.exp(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                v = tl.load(v_base + n[:, None] * sv_s + offs_d[None, :], mask=nmask[:, None], other=0.0)
-                if IEEE:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                l_i = l_i * alpha + p
+                acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)[None, :]
                 m_i = m_new
-        # partials laid out [B, Hkv, n_splits, BLOCK_G(, D)], contiguous
-        row = (b * n_heads_kv + h) * n_splits + sp
-        tl.store(M_PART + row * BLOCK_G + offs_g, m_i)
-        tl.store(L_PART + row * BLOCK_G + offs_g, l_i)
-        tl.store(O_PART + (row * BLOCK_G + offs_g[:, None]) * D + offs_d[None, :], acc)
+        _finish(
+            m_i, l_i, acc, b, h, sp, n_kv, n_splits, G, O_PART, M_PART, L_PART, OUT, so_b, so_h, so_g,
+            BLOCK_G, D, DIRECT,
+        )  # fmt: skip
 
     @triton.jit
     def _attn_combine_kernel(
         O_PART,
         M_PART,
         L_PART,
-        SEQ,
+        POS,
         OUT,
         so_b,
         so_h,
@@ -209,7 +311,7 @@ if HAVE_TRITON:
         b = tl.program_id(0)
         h = tl.program_id(1)
         n_heads_kv = tl.num_programs(1)
-        seq = tl.load(SEQ + b).to(tl.int32)
+        seq = tl.load(POS + b).to(tl.int32) + 1  # positions 0..pos
         used = tl.minimum((seq + SPLIT - 1) // SPLIT, n_splits)
         offs_g = tl.arange(0, BLOCK_G)
         offs_d = tl.arange(0, D)
@@ -259,8 +361,8 @@ if HAVE_TRITON:
         greedy = t <= 0.0
         inv_t = tl.where(greedy, 1.0, 1.0 / tl.maximum(t, 1e-30))
         seed = tl.load(SEEDS + r).to(tl.uint32)
-        m = tl.full([BLOCK], float("-inf"), tl.float32)
-        s = tl.zeros([BLOCK], tl.float32)
+        m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)  # running max of the chunk
+        s = tl.sum(tl.zeros([BLOCK], tl.float32), 0)  # running sum of exp(x - m)
         best = tl.full([BLOCK], float("-inf"), tl.float32)
         bidx = tl.zeros([BLOCK], tl.int32)
         braw = tl.zeros([BLOCK], tl.float32)
@@ -270,9 +372,10 @@ if HAVE_TRITON:
             v = v0 + tl.arange(0, BLOCK)
             mask = v < end
             x = tl.load(X + r * sx + v, mask=mask, other=float("-inf")).to(tl.float32)
-            # element-wise online logsumexp (lanes never see -inf alone: first block is full or masked)
-            m_new = tl.maximum(m, x)
-            s = tl.where(m_new == float("-inf"), 0.0, s * tl.exp(m - m_new) + tl.exp(x - m_new))
+            # online logsumexp per block: one exp per element (blocks of -inf so far add nothing)
+            m_new = tl.maximum(m, tl.max(x, 0))
+            live = m_new > float("-inf")
+            s = tl.where(live, s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0), 0.0)
             m = m_new
             hsh = _fmix32_tl(seed ^ (v.to(tl.uint32) * 0x85EBCA77))
             u = ((hsh >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # as gumbel_noise
@@ -283,16 +386,14 @@ if HAVE_TRITON:
             best = tl.where(better, score, best)
             bidx = tl.where(better, v, bidx)
             braw = tl.where(better, x, braw)
-        # reduce the lanes: logsumexp pieces, and the first index of the best score
-        mm = tl.max(m, 0)
-        ss = tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - mm)), 0)
+        # reduce the lanes: the first index of the best score
         top = tl.max(best, 0)
         big = 2147483647
         idx = tl.min(tl.where(best == top, bidx, big), 0)
         raw = tl.max(tl.where((best == top) & (bidx == idx), braw, float("-inf")), 0)
         o = r * n_splits + sp
-        tl.store(P_M + o, mm)
-        tl.store(P_S + o, ss)
+        tl.store(P_M + o, m)
+        tl.store(P_S + o, s)
         tl.store(P_BEST + o, top)
         tl.store(P_IDX + o, idx)
         tl.store(P_RAW + o, raw)
@@ -355,33 +456,46 @@ class TritonDecodeAttention:
             split *= 2
         return split
 
-    def __call__(
+    def rope_attend(
         self,
-        q: torch.Tensor,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        signed_sin: torch.Tensor,
+        pos: torch.Tensor,
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
-        seq_len: torch.Tensor,
+        n_heads: int,
         split: int | None = None,
     ) -> torch.Tensor:
-        b, n_kv, g, d = q.shape
-        if q.stride(-1) != 1:
-            q = q.contiguous()
+        """``rope_attention_ref`` in one kernel (plus the combine): from the projection output
+        ``qkv`` [B, (H + 2 Hkv) D] and the ``[S, D]`` RoPE tables to the attention output
+        [B, Hkv, G, D]; the new k and v land in the caches at ``pos``."""
+        b, g, d, n_kv = qkv.shape[0], self.group, self.d, self.n_kv
+        assert qkv.stride(-1) == 1 and cos.is_contiguous() and signed_sin.is_contiguous()
         assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and k_cache.shape[2] <= self.max_seq
+        assert qkv.shape[1] == (n_heads + 2 * n_kv) * d and n_heads == n_kv * g
         split = split or self.split_for(b)
         n_splits = math.ceil(self.max_seq / split)
         assert b * n_kv * n_splits * self.block_g <= self.m_part.numel()
-        out = torch.empty((b, n_kv, g, d), dtype=q.dtype, device=q.device)
-        _attn_split_kernel[(b, n_kv, n_splits)](
-            q, k_cache, v_cache, seq_len, self.o_part, self.m_part, self.l_part,
-            q.stride(0), q.stride(1), q.stride(2),
+        out = torch.empty((b, n_kv, g, d), dtype=qkv.dtype, device=qkv.device)
+        _rope_attn_split_kernel[(b, n_kv, n_splits)](
+            qkv, cos, signed_sin, pos, k_cache, v_cache, self.o_part, self.m_part, self.l_part, out,
+            qkv.stride(0), cos.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            out.stride(0), out.stride(1), out.stride(2),
             n_splits, g, 1.0 / math.sqrt(d),
-            SPLIT=split, BLOCK_N=self.block_n, BLOCK_G=self.block_g, D=d,
-            IEEE=q.dtype == torch.float32,
+            N_HEADS=n_heads, SPLIT=split, BLOCK_N=self.block_n, BLOCK_G=self.block_g, D=d,
+            IEEE=qkv.dtype == torch.float32, DIRECT=n_splits == 1,
         )  # fmt: skip
+        return self._combine(out, pos, n_splits, split)
+
+    def _combine(self, out: torch.Tensor, pos: torch.Tensor, n_splits: int, split: int) -> torch.Tensor:
+        if n_splits == 1:  # the split kernel wrote ``out`` itself
+            return out
+        b, n_kv, g, d = out.shape
         _attn_combine_kernel[(b, n_kv)](
-            self.o_part, self.m_part, self.l_part, seq_len, out,
+            self.o_part, self.m_part, self.l_part, pos, out,
             out.stride(0), out.stride(1), out.stride(2),
             n_splits, g, SPLIT=split, BLOCK_G=self.block_g, D=d,
         )  # fmt: skip
@@ -436,18 +550,26 @@ def self_check(kind: str, fn: Any, device: torch.device, **shape: Any) -> str | 
             rows, n_kv, group, d, s, dtype = (
                 shape[k] for k in ("rows", "n_kv", "group", "d", "seq", "dtype")
             )
-            q = torch.randn(rows, n_kv, group, d, generator=g).to(device, dtype)
+            n_heads = n_kv * group
+            qkv = torch.randn(rows, (n_heads + 2 * n_kv) * d, generator=g).to(device, dtype)
+            ang = torch.arange(s)[:, None] * torch.rand(d // 2, generator=g)[None]
+            cos = torch.cat([ang.cos(), ang.cos()], -1).to(device, dtype)
+            ssin = torch.cat([-ang.sin(), ang.sin()], -1).to(device, dtype)
+            pos = torch.randint(0, s, (rows,), generator=g).to(device)
+            pos[0] = s - 1
             kc = torch.randn(rows, n_kv, s, d, generator=g).to(device, dtype)
             vc = torch.randn(rows, n_kv, s, d, generator=g).to(device, dtype)
-            seq = torch.randint(1, s + 1, (rows,), generator=g).to(device)
-            seq[0] = s
-            want = decode_attention_ref(q.float(), kc.float(), vc.float(), seq, s)
+            wk, wv = kc.clone(), vc.clone()
+            want = rope_attention_ref(qkv, cos, ssin, pos, wk, wv, n_heads).float()
             tol = 2e-2 if dtype != torch.float32 else 1e-4
-            for split in (None, 512):  # the split this row count gets, and the largest
-                got = fn(q, kc, vc, seq, split=split).float()
+            for split in (None, 64, fn.max_seq):  # this row count's split, the smallest, one split
+                gk, gv = kc.clone(), vc.clone()
+                got = fn.rope_attend(qkv, cos, ssin, pos, gk, gv, n_heads, split=split).float()
                 err = float((got - want).norm() / want.norm())
-                if not err < tol:
-                    return f"attention kernel (split {split}) relative error {err:.3g} >= {tol}"
+                cache_err = max(float((a.float() - b.float()).abs().max()) for a, b in ((gk, wk), (gv, wv)))
+                if not (err < tol and cache_err < 4 * tol):
+                    why = f"error {err:.3g}, cache error {cache_err:.3g}"
+                    return f"rope attention kernel (split {split}): {why}"
             return None
         if kind == "sample":
             rows, vocab, dtype = shape["rows"], shape["vocab"], shape["dtype"]
