@@ -555,8 +555,9 @@ def self_check(kind: str, fn: Any, device: torch.device, **shape: Any) -> str | 
             ang = torch.arange(s)[:, None] * torch.rand(d // 2, generator=g)[None]
             cos = torch.cat([ang.cos(), ang.cos()], -1).to(device, dtype)
             ssin = torch.cat([-ang.sin(), ang.sin()], -1).to(device, dtype)
-            pos = torch.randint(0, s, (rows,), generator=g).to(device)
-            pos[0] = s - 1
+            # the last position, the first (the new token alone), both sides of a 64-split boundary
+            edges = torch.tensor([s - 1, 0, 64 % s, 63 % s])[:rows]
+            pos = torch.cat([edges, torch.randint(0, s, (max(0, rows - 4),), generator=g)]).to(device)
             kc = torch.randn(rows, n_kv, s, d, generator=g).to(device, dtype)
             vc = torch.randn(rows, n_kv, s, d, generator=g).to(device, dtype)
             wk, wv = kc.clone(), vc.clone()
