@@ -7,11 +7,13 @@ no combine kernel). Random-init Qwen2 with Qwen2.5-0.5B / 1.5B shapes, bf16.
 
     python bench/gpu/decode_step_gpu.py                       # GPU: 0.5b and 1.5b, 64 and 512 rows
     python bench/gpu/decode_step_gpu.py --sizes 0.5b --rows 64 --context 192
+    TRITON_INTERPRET=1 python bench/gpu/decode_step_gpu.py --smoke   # CPU, tiny shapes (tested in CI)
 
 Writes JSON to stdout and to ``$OUT/decode-step-gpu.json`` when ``$OUT`` is set; each entry has the
 step time (median of ``--repeats`` timings of ``--steps`` replays), its fraction of the step's
-read-bandwidth bound (weights once, the KV of every row over its context, the logits) and the
-ratio to the first configuration of the same shape.
+bound (``roofline.decode_step_bytes`` / ``decode_step_flops`` against the read bandwidth and GEMM
+rate measured in the same run, as ``rollout_gpu.py``) and the ratio to the first configuration of
+the same shape.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ common.import_rlkube()
 
 import torch  # noqa: E402
 
-from rlkube.runtime.models.roofline import model_cost  # noqa: E402
-from rlkube.runtime.models.tiny import make_qwen2_like  # noqa: E402
+from rlkube.runtime.models.roofline import decode_step_bytes, decode_step_flops, model_cost  # noqa: E402
+from rlkube.runtime.models.tiny import make_qwen2_like, tiny_qwen2_config  # noqa: E402
 from rlkube.runtime.rollout.hf_decode import StaticDecoder  # noqa: E402
 
 # name -> attention split: positions per program (None: the default policy; "direct": one program
@@ -45,6 +47,11 @@ CONFIGS: dict[str, int | str | None] = {
     "split128": 128,
     "split256": 256,
 }
+
+
+def sync(dev: torch.device) -> None:
+    if dev.type == "cuda":
+        torch.cuda.synchronize(dev)
 
 
 def time_step(dec: StaticDecoder, rows: int, context: int, steps: int, repeats: int) -> float:
@@ -61,11 +68,11 @@ def time_step(dec: StaticDecoder, rows: int, context: int, steps: int, repeats: 
     for _ in range(repeats):
         for k, v in snap.items():
             getattr(s, k).copy_(v)
-        torch.cuda.synchronize()
+        sync(dec.device)
         t = time.perf_counter()
         for _ in range(steps):
             dec.decode(rows)
-        torch.cuda.synchronize()
+        sync(dec.device)
         out.append((time.perf_counter() - t) / steps)
     return statistics.median(out)
 
@@ -82,16 +89,27 @@ def configure(dec: StaticDecoder, name: str, default_split: Any) -> None:
 
 
 def bench(
-    size: str, rows: int, context: int, args: argparse.Namespace, read_bps: float
+    size: str, rows: int, context: int, args: argparse.Namespace, read_bps: float, flops: float
 ) -> list[dict[str, Any]]:
-    dev = torch.device("cuda")
-    model = make_qwen2_like(size, dtype=torch.bfloat16, device="cpu").to(dev)  # CPU init: no CUDA RNG
-    cost = model_cost(model.config, dtype_bytes=2)
-    step_bytes = cost.weight_bytes_per_step + rows * (context + 1) * cost.kv_bytes_per_token
-    step_bytes += rows * model.config.vocab_size * 2  # the logits, written once and read by the sampler
+    dev = torch.device("cpu" if args.smoke else "cuda")
+    if args.smoke:  # fp32 tiny model; the Triton kernels run in the interpreter
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        config = tiny_qwen2_config(64, hidden_size=128, num_heads=2)
+        model = AutoModelForCausalLM.from_config(config).eval()
+    else:
+        model = make_qwen2_like(size, dtype=torch.bfloat16, device="cpu").to(dev)  # CPU init: no CUDA RNG
+    dtype_bytes = torch.finfo(next(model.parameters()).dtype).bits // 8
+    cost = model_cost(model.config, dtype_bytes=dtype_bytes)
+    context_sum = rows * (context + args.steps // 2)  # the timed steps' mean context
+    bound_s = max(
+        decode_step_bytes(cost, rows, context_sum) / read_bps,
+        decode_step_flops(cost, rows, context_sum) / flops,
+    )
     dec = StaticDecoder(
         model, num_slots=rows, max_seq_len=context + args.steps + 8, max_new_tokens=args.steps + 4,
-        compile_step="auto", kernels_setting=True,
+        compile_step="auto", kernels_setting=True, use_cuda_graphs=None,
     )  # fmt: skip
     default_split = dec._attention.split_for
     res = []
@@ -105,14 +123,15 @@ def bench(
             continue
         base = base or t
         res.append({
-            "size": size, "rows": rows, "context": context, "config": name,
-            "step_ms": 1e3 * t, "bound_ms": 1e3 * step_bytes / read_bps,
-            "fraction_of_read_bound": step_bytes / read_bps / t, "speedup_vs_first": base / t,
+            "size": "tiny" if args.smoke else size, "rows": rows, "context": context, "config": name,
+            "step_ms": 1e3 * t, "bound_ms": 1e3 * bound_s,
+            "fraction_of_bound": bound_s / t, "speedup_vs_first": base / t,
             "split": dec._attention.split_for(rows),
         })  # fmt: skip
         print(json.dumps(res[-1]), flush=True)
     del dec, model
-    torch.cuda.empty_cache()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
     return res
 
 
@@ -124,19 +143,29 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument(
+        "--smoke", action="store_true", help="tiny shapes on the CPU (run with TRITON_INTERPRET=1)"
+    )
     args = ap.parse_args(argv)
-    ceil = common.ceilings(torch.device("cuda"), False)
+    if args.smoke:
+        args.sizes, args.rows, args.context, args.steps, args.repeats = "tiny", "8", 40, 4, 1
+        torch.set_num_threads(1)
+    dev = torch.device("cpu" if args.smoke else "cuda")
+    ceil = common.ceilings(dev, args.smoke)
     report: dict[str, Any] = {
         "benchmark": "decode-step-gpu",
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
         "torch": torch.__version__,
         "read_bandwidth_gbs": ceil["read_bandwidth_gbs"],
+        "gemm_tflops": ceil["gemm_tflops"],
         "args": vars(args),
         "results": [],
     }
     for size in args.sizes.split(","):
         for rows in (int(r) for r in args.rows.split(",")):
-            report["results"] += bench(size, rows, args.context, args, ceil["read_bandwidth_gbs"] * 1e9)
+            report["results"] += bench(
+                size, rows, args.context, args, ceil["read_bandwidth_gbs"] * 1e9, ceil["gemm_tflops"] * 1e12
+            )
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         (Path(os.environ["OUT"]) / "decode-step-gpu.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -146,10 +175,10 @@ def main(argv: list[str] | None = None) -> int:
         else:
             print(
                 f"{r['size']:>5} rows {r['rows']:>4} {r['config']:<16} {r['step_ms']:7.3f} ms "
-                f"{100 * r['fraction_of_read_bound']:5.1f}% of read bound  x{r['speedup_vs_first']:.2f}"
+                f"{100 * r['fraction_of_bound']:5.1f}% of bound  x{r['speedup_vs_first']:.2f}"
                 f"  split {r['split']}"
             )
-    return 0
+    return 1 if any("error" in r for r in report["results"]) else 0
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # `make bench-gpu`: the GPU benchmarks, run on a GPU machine (here: through the device tool, one
 # H200 with torch but no rlkube install, no Ray, no vLLM, no network).
-#   bash bench/gpu/run.sh [weights] [rollout] [trainer] [ipc]   (default: the first three)
-# Extra arguments per bench: WEIGHTS_ARGS, ROLLOUT_ARGS, TRAINER_ARGS, IPC_ARGS (e.g. ROLLOUT_ARGS="--sizes 0.5b").
+#   bash bench/gpu/run.sh [weights] [rollout] [trainer] [ipc] [decode-step]   (default: the first three)
+# Extra arguments per bench: WEIGHTS_ARGS, ROLLOUT_ARGS, TRAINER_ARGS, IPC_ARGS, DECODE_STEP_ARGS
+# (e.g. ROLLOUT_ARGS="--sizes 0.5b").
 # Results: $OUT/<name>.json when OUT is set (the device tool), else bench/results/, and gpu-bounds.png.
 set -uo pipefail
 top=$(cd "$(dirname "$0")/../.." && pwd)
@@ -30,6 +31,7 @@ for bench in ${*:-weights rollout trainer}; do
     rollout) OUT=$out python3 "$top/bench/gpu/rollout_gpu.py" ${ROLLOUT_ARGS:-} > "$out/rollout-gpu.log" || status=1 ;;
     trainer) OUT=$out python3 "$top/bench/gpu/trainer_gpu.py" ${TRAINER_ARGS:-} > "$out/trainer-gpu.log" || status=1 ;;
     ipc) OUT=$out python3 "$top/bench/gpu/ipc_gpu.py" ${IPC_ARGS:-} > "$out/ipc-gpu.log" || status=1 ;;
+    decode-step) OUT=$out python3 "$top/bench/gpu/decode_step_gpu.py" ${DECODE_STEP_ARGS:-} > "$out/decode-step-gpu.log" || status=1 ;;
     *) echo "unknown bench $bench"; status=2 ;;
   esac
 done

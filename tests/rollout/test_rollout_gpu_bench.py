@@ -29,7 +29,7 @@ sys.path[:] = [p for p in sys.path if "__editable__" not in p]
 
 
 def run_bench(
-    name: str, tmp_path: Path, *args: str, gpu_machine: bool = False
+    name: str, tmp_path: Path, *args: str, gpu_machine: bool = False, env_extra: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
     env = {
         **os.environ,
@@ -37,6 +37,7 @@ def run_bench(
         "PYTHONSAFEPATH": "1",
         "OMP_NUM_THREADS": "1",
         "CUDA_VISIBLE_DEVICES": "",
+        **(env_extra or {}),
     }
     if gpu_machine:
         site = tmp_path / "site"
@@ -70,6 +71,18 @@ def test_rollout_gpu_bench_smoke_without_rlkube_install_or_pydantic(tmp_path: Pa
     assert rl["prefill_forwards"] == 1  # 3 prompts x 2 samples: one batched prefill
     assert sum(rl["steps_by_bucket"].values()) < rl["response_len"]["max"]  # no idle steps at the end
     assert res["generate_b64"]["tokens"] == res["b64"]["tokens"]
+
+
+def test_decode_step_bench_times_each_attention_split_with_the_triton_kernels(tmp_path: Path) -> None:
+    """The A/B of the captured decode step runs its Triton kernels (here in the interpreter) per split."""
+    proc = run_bench("decode_step_gpu.py", tmp_path, gpu_machine=True, env_extra={"TRITON_INTERPRET": "1"})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "decode-step-gpu.json").read_text())
+    by_config = {r["config"]: r for r in report["results"]}
+    assert set(by_config) == {"default", "direct", "split128", "split256"}
+    assert [by_config[c]["split"] for c in ("default", "split128", "split256")] == [64, 128, 256]
+    assert by_config["direct"]["split"] == 128  # the whole (128-position) cache in one program
+    assert all(0 < r["fraction_of_bound"] < 1 and r["step_ms"] > 0 for r in report["results"])
 
 
 def test_trainer_gpu_bench_smoke_without_rlkube_install_or_pydantic(tmp_path: Path) -> None:
