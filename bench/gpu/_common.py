@@ -68,3 +68,20 @@ def ceilings(device: Any, smoke: bool) -> dict[str, Any]:
         "gemm_tflops": c["gemm"]["TFLOPs"],
         "detail": c,
     }
+
+
+def run_info(device: Any, ceil: dict[str, Any], args: Any) -> dict[str, Any]:
+    """What every GPU bench report starts with: the machine, the versions, the measured ceilings."""
+    import torch
+    import transformers
+
+    return {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "read_bandwidth_gbs": ceil["read_bandwidth_gbs"],
+        "gemm_tflops": ceil["gemm_tflops"],
+        "copy_read_write_gbs": ceil["copy_read_write_gbs"],
+        "ceilings": ceil["detail"],
+        "args": vars(args),
+    }

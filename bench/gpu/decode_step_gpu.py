@@ -154,11 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     ceil = common.ceilings(dev, args.smoke)
     report: dict[str, Any] = {
         "benchmark": "decode-step-gpu",
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "read_bandwidth_gbs": ceil["read_bandwidth_gbs"],
-        "gemm_tflops": ceil["gemm_tflops"],
-        "args": vars(args),
+        **common.run_info(dev, ceil, args),
         "results": [],
     }
     for size in args.sizes.split(","):

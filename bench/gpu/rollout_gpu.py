@@ -281,20 +281,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(1)
     dev = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     ceil = common.ceilings(dev, args.smoke)
-    import transformers
-
-    report: dict[str, Any] = {
-        "benchmark": "rollout-gpu",
-        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "read_bandwidth_gbs": ceil["read_bandwidth_gbs"],
-        "gemm_tflops": ceil["gemm_tflops"],
-        "copy_read_write_gbs": ceil["copy_read_write_gbs"],
-        "ceilings": ceil["detail"],
-        "args": vars(args),
-        "results": [],
-    }
+    report: dict[str, Any] = {"benchmark": "rollout-gpu", **common.run_info(dev, ceil, args), "results": []}
     out_dir = os.environ.get("OUT")
     for size in ["tiny"] if args.smoke else args.sizes.split(","):
         report["results"].append(bench_size(size, args, dev, ceil))

@@ -543,12 +543,7 @@ def main() -> int:
     ceil = common.ceilings(device, args.smoke)
     out: dict[str, Any] = {
         "bench": "trainer-gpu",
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "read_bandwidth_gbs": ceil["read_bandwidth_gbs"],
-        "gemm_tflops": ceil["gemm_tflops"],
-        "ceilings": ceil["detail"],
-        "args": vars(args),
+        **common.run_info(device, ceil, args),
         "results": [],
     }
     out_dir = os.environ.get("OUT")
