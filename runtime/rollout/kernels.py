@@ -16,7 +16,10 @@ Triton is missing or its self-check fails) and a Triton kernel (CUDA/ROCm):
   vocabulary index), so a seeded sample is reproducible whatever shares the batch and on any
   device. The kernel reads the logits once and returns the token and its raw log-probability
   ``log_softmax(logits)[token]`` (before temperature), where inverse-CDF sampling needs a softmax,
-  a cumulative sum, a search and a separate log-softmax pass over the vocabulary.
+  a cumulative sum, a search and a separate log-softmax pass over the vocabulary. The noise (a
+  hash and two logs per element, most of the kernel's work) is skipped for a block whose largest
+  ``logit / T`` plus the largest possible noise cannot reach the best score found so far: exact,
+  and with a trained model's peaked logits most of the vocabulary.
 
 Row seeds come from ``row_seeds(key, counter)``: the counter is the token's index in its sample.
 """
@@ -30,6 +33,10 @@ import torch
 import torch.nn.functional as F
 
 _M32 = 0xFFFFFFFF
+# Above every Gumbel noise value gumbel_noise can give: its largest uniform is 1 - 2**-24, whose noise
+# is -log(-log(1 - 2**-24)) = 24 ln 2 = 16.64 (float32 rounding adds ~1e-6). The sampling kernel
+# skips a block of the vocabulary whose largest logit / T plus this cannot reach the best score yet.
+GUMBEL_BOUND = 17.0
 _GOLDEN = 0x9E3779B9
 _VOCAB_MIX = 0x85EBCA77
 
@@ -164,6 +171,7 @@ except Exception:
     HAVE_TRITON = False
 
 if HAVE_TRITON:
+    _GUMBEL_BOUND = tl.constexpr(GUMBEL_BOUND)
 
     @triton.jit
     def _attend(q, k_base, v_base, start, end, sk_s, sv_s, m_i, l_i, acc, scale, BLOCK_N: tl.constexpr,
@@ -377,15 +385,19 @@ if HAVE_TRITON:
             live = m_new > float("-inf")
             s = tl.where(live, s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0), 0.0)
             m = m_new
-            hsh = _fmix32_tl(seed ^ (v.to(tl.uint32) * 0x85EBCA77))
-            u = ((hsh >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # as gumbel_noise
-            g = -tl.log(-tl.log(u))
-            score = tl.where(greedy, x, x * inv_t + g)
-            score = tl.where(mask, score, float("-inf"))
-            better = score > best
-            best = tl.where(better, score, best)
-            bidx = tl.where(better, v, bidx)
-            braw = tl.where(better, x, braw)
+            # No score in this block can reach the best so far when even its largest logit plus the
+            # largest noise falls short: skip the hash and the two logs (exact, see GUMBEL_BOUND).
+            reach = tl.max(x, 0) * inv_t + tl.where(greedy, 0.0, _GUMBEL_BOUND)
+            if reach >= tl.max(best, 0):
+                hsh = _fmix32_tl(seed ^ (v.to(tl.uint32) * 0x85EBCA77))
+                u = ((hsh >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # as gumbel_noise
+                g = -tl.log(-tl.log(u))
+                score = tl.where(greedy, x, x * inv_t + g)
+                score = tl.where(mask, score, float("-inf"))
+                better = score > best
+                best = tl.where(better, score, best)
+                bidx = tl.where(better, v, bidx)
+                braw = tl.where(better, x, braw)
         # reduce the lanes: the first index of the best score
         top = tl.max(best, 0)
         big = 2147483647

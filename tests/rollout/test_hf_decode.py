@@ -153,6 +153,17 @@ KERNEL_SCRIPT = textwrap.dedent(
     rtok, rlp = K.sample_tokens_ref(x, t, seeds)
     out["same_tokens"] = tok.tolist() == rtok.tolist()
     out["lp_err"] = float((lp - rlp).abs().max())
+    # peaked logits (Zipf over the vocabulary, a spike): most blocks are skipped as unable to win,
+    # and the tokens must still be exactly the reference's
+    rank = torch.randperm(20000, generator=g).float() + 1
+    x = torch.stack([-2.0 * rank.log(), -3.0 * rank.log(), -1.0 * rank.log()] * 2)
+    x[3, 12345] = 5.0
+    seeds = K.row_seeds(torch.arange(6) * 31 + 7, torch.arange(6))
+    t = torch.tensor([1.0, 0.7, 1.0, 0.0, 1.5, 1.0])
+    tok, lp = K.TritonSampler(6, 20000, cpu)(x, t, seeds)
+    rtok, rlp = K.sample_tokens_ref(x, t, seeds)
+    out["peaked_same_tokens"] = tok.tolist() == rtok.tolist()
+    out["peaked_lp_err"] = float((lp - rlp).abs().max())
     # the largest hash at token 700 must not beat a token holding all the mass
     x = torch.full((1, 20000), -40.0)
     x[0, 0] = 40.0
@@ -200,6 +211,7 @@ def test_triton_kernels_match_their_references_in_the_interpreter(
     ):
         assert out[key] is None, (key, out[key])
     assert out["same_tokens"] and out["lp_err"] < 1e-5
+    assert out["peaked_same_tokens"] and out["peaked_lp_err"] < 1e-5
     assert out["extreme_hash_token"] == 0
 
 

@@ -52,6 +52,10 @@ def test_extreme_hashes_give_finite_noise_and_never_pick_an_impossible_token() -
         assert int(kernels.fmix32(torch.tensor(seed ^ ((v * kernels._VOCAB_MIX) & _M32)))) == h
         g = kernels.gumbel_noise(torch.tensor([seed]), vocab)
         assert torch.isfinite(g).all(), (hex(h), g[0, v])
+        # the kernel skips blocks whose best logit plus GUMBEL_BOUND cannot win: no noise reaches it
+        assert float(g.max()) < kernels.GUMBEL_BOUND, (hex(h), float(g.max()))
+    top = kernels.gumbel_noise(torch.tensor([seed_hashing_to(_M32, v)]), vocab)[0, v]
+    assert 16.6 < float(top) < kernels.GUMBEL_BOUND  # the largest noise is 24 ln 2 = 16.64
     # Token 0 holds all the mass; token v's noise is the largest the hash can give.
     logits = torch.full((1, vocab), -40.0)
     logits[0, 0] = 40.0
