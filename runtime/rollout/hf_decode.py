@@ -508,17 +508,18 @@ def advance_slots(
     Updates the slot tensors in place (rows ``[0, len(tok))``); pure otherwise, so one compile
     fuses the dozen small ops into a kernel or two.
     """
-    run = running.clone()
+    run = running.clone()  # the rows that sampled this step
     col = n_gen.clamp(max=max_tokens)
     out_tok[rows, col] = torch.where(run, tok, out_tok[rows, col])
     out_lp[rows, col] = torch.where(run, lp, out_lp[rows, col])
     new_n = n_gen + run.long()
     hit = (stop_ids == tok[:, None]).any(-1) & run
+    still = run & ~hit & (new_n < max_new)  # the rows that go on: only they feed their token next
     stopped.copy_(stopped | hit)
-    running.copy_(run & ~hit & (new_n < max_new))
+    running.copy_(still)
     n_gen.copy_(new_n)
-    cur_tok.copy_(torch.where(run, tok, cur_tok))
-    pos.copy_(pos + run.long())
+    cur_tok.copy_(torch.where(still, tok, cur_tok))
+    pos.copy_(pos + still.long())
 
 
 def layer_qkv(x: torch.Tensor, weights: tuple[Any, ...], eps: float) -> torch.Tensor:

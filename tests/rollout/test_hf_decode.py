@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 import torch
 
-from rlkube.runtime.rollout import kernels
+from rlkube.runtime.rollout import hf_decode, kernels
 from rlkube.runtime.rollout.base import RolloutRequest, SamplingParams
 from rlkube.runtime.rollout.hf import HFEngine, teacher_forced_logprobs
 from rlkube.runtime.rollout.hf_decode import StaticDecoder, batch_buckets
@@ -221,6 +221,26 @@ def test_engine_with_triton_kernels_equals_engine_without(
     out = triton_interpret(ENGINE_SCRIPT)
     assert out["kernels"] == {"attention": "triton", "sampling": "triton"}
     assert out["same_tokens"] and out["lp_err"] < 1e-5 and out["tf_err"] < LOGPROB_ATOL
+
+
+def test_a_step_records_running_rows_and_moves_on_only_those_that_continue() -> None:
+    """``advance_slots`` on 4 rows: continues; samples a stop id; reaches its budget; already done."""
+    tok, lp = torch.tensor([11, 7, 12, 13]), torch.tensor([-0.5, -1.0, -1.5, -2.0])
+    cur_tok, pos = torch.tensor([1, 2, 3, 4]), torch.tensor([10, 20, 30, 40])
+    n_gen, max_new = torch.tensor([0, 2, 4, 1]), torch.tensor([8, 8, 5, 8])
+    running, stopped = torch.tensor([True, True, True, False]), torch.zeros(4, dtype=torch.bool)
+    stop_ids = torch.tensor([[7, -1]] * 4)
+    out_tok, out_lp = torch.zeros(4, 6, dtype=torch.long), torch.zeros(4, 6)
+    hf_decode.advance_slots(
+        tok, lp, torch.arange(4), cur_tok, pos, n_gen, max_new, running, stopped, stop_ids, out_tok, out_lp, 5
+    )
+    assert [int(out_tok[r, c]) for r, c in ((0, 0), (1, 2), (2, 4))] == [11, 7, 12]  # at each row's count
+    assert out_tok[3].tolist() == [0] * 6 and float(out_lp[1, 2]) == -1.0  # a finished row writes nothing
+    assert n_gen.tolist() == [1, 3, 5, 1]
+    assert stopped.tolist() == [False, True, False, False]
+    assert running.tolist() == [True, False, False, False]
+    # only the row that goes on feeds its new token at the next position
+    assert cur_tok.tolist() == [11, 2, 3, 4] and pos.tolist() == [11, 20, 30, 40]
 
 
 def test_decode_attention_reference_masks_each_row_to_its_length() -> None:
