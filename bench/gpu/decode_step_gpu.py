@@ -13,7 +13,8 @@ Writes JSON to stdout and to ``$OUT/decode-step-gpu.json`` when ``$OUT`` is set;
 step time (median of ``--repeats`` timings of ``--steps`` replays), its fraction of the step's
 bound (``roofline.decode_step_bytes`` / ``decode_step_flops`` against the read bandwidth and GEMM
 rate measured in the same run, as ``rollout_gpu.py``) and the ratio to the first configuration of
-the same shape.
+the same shape; then the sampling kernel alone on random-normal and on Zipf-shaped logits (what
+its block skipping saves on a trained model's logits).
 """
 
 from __future__ import annotations
@@ -135,6 +136,49 @@ def bench(
     return res
 
 
+def bench_sampler(
+    rows: int, vocab: int, dev: torch.device, read_bps: float, repeats: int
+) -> list[dict[str, Any]]:
+    """The sampling kernel alone on random-normal logits (a random-init model's: nothing to skip) and
+    on Zipf-shaped ones (a trained model's: most vocabulary blocks cannot win), against the read of
+    the bf16 logits it needs."""
+    from rlkube.runtime.rollout import kernels
+
+    g = torch.Generator().manual_seed(0)
+    rank = torch.randperm(vocab, generator=g).float() + 1
+    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    shapes = {
+        "normal": torch.randn(rows, vocab, generator=g) * 3,
+        "zipf": (-2.0 * rank.log()).expand(rows, -1).clone(),
+    }
+    sampler = kernels.TritonSampler(rows, vocab, dev)
+    temp = torch.ones(rows, device=dev)
+    seeds = kernels.row_seeds(torch.arange(rows), torch.zeros(rows, dtype=torch.long)).to(dev)
+    out = []
+    for name, logits in shapes.items():
+        x = logits.to(dev, dtype)
+        times = []
+        for _ in range(repeats + 1):  # the first call compiles
+            sync(dev)
+            t = time.perf_counter()
+            sampler(x, temp, seeds)
+            sync(dev)
+            times.append(time.perf_counter() - t)
+        t = statistics.median(times[1:])
+        bound = x.numel() * x.element_size() / read_bps
+        out.append(
+            {
+                "sampler": name,
+                "rows": rows,
+                "vocab": vocab,
+                "us": 1e6 * t,
+                "fraction_of_read_bound": bound / t,
+            }
+        )
+        print(json.dumps(out[-1]), flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--sizes", default="0.5b,1.5b")
@@ -162,6 +206,12 @@ def main(argv: list[str] | None = None) -> int:
             report["results"] += bench(
                 size, rows, args.context, args, ceil["read_bandwidth_gbs"] * 1e9, ceil["gemm_tflops"] * 1e12
             )
+    vocab = 4096 if args.smoke else 151936  # Qwen2.5's
+    report["sampler"] = [
+        r
+        for rows in (int(r) for r in args.rows.split(","))
+        for r in bench_sampler(rows, vocab, dev, ceil["read_bandwidth_gbs"] * 1e9, args.repeats)
+    ]
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         (Path(os.environ["OUT"]) / "decode-step-gpu.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -174,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
                 f"{100 * r['fraction_of_bound']:5.1f}% of bound  x{r['speedup_vs_first']:.2f}"
                 f"  split {r['split']}"
             )
+    for r in report["sampler"]:
+        print(
+            f"sampler {r['sampler']:<7} rows {r['rows']:>4}: {r['us']:8.1f} us, "
+            f"{100 * r['fraction_of_read_bound']:5.1f}% of the logits' read bound"
+        )
     return 1 if any("error" in r for r in report["results"]) else 0
 
 

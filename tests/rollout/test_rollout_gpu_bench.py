@@ -83,6 +83,8 @@ def test_decode_step_bench_times_each_attention_split_with_the_triton_kernels(tm
     assert [by_config[c]["split"] for c in ("default", "split128", "split256")] == [64, 128, 256]
     assert by_config["direct"]["split"] == 128  # the whole (128-position) cache in one program
     assert all(0 < r["fraction_of_bound"] < 1 and r["step_ms"] > 0 for r in report["results"])
+    assert [r["sampler"] for r in report["sampler"]] == ["normal", "zipf"]
+    assert all(r["us"] > 0 and 0 < r["fraction_of_read_bound"] < 1 for r in report["sampler"])
 
 
 def test_trainer_gpu_bench_smoke_without_rlkube_install_or_pydantic(tmp_path: Path) -> None:
