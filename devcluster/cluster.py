@@ -864,7 +864,11 @@ class DevCluster:
             RealNode.teardown(node_state.get("sysctls") or {})
         # Only the ports of processes that were alive: a dead cluster's ports may be another's now.
         ports = [p for c in comps if c.name in stopped for p in c.ports]
-        deadline = time.monotonic() + 5
+        # A process counts as stopped once its main thread is a zombie, but its other threads can
+        # still hold its sockets while the kernel tears it down: seconds for the API server on a
+        # loaded 2-core machine (one CI run timed out at 5 s here). A port still open after 30 s
+        # is a process that did not stop.
+        deadline = time.monotonic() + 30
         while (still := listening_ports(ports)) and time.monotonic() < deadline:
             time.sleep(0.1)
         if still:
