@@ -90,7 +90,6 @@ class StaticDecoder:
     """Owns the KV cache and runs prefill / decode steps over ``num_slots`` rows."""
 
     # the step's pure functions: plain PyTorch, or torch.compile'd on CUDA
-    _pre_fn: Callable[..., Any]
     _qkv_fn: Callable[..., Any]
     _mlp_in_fn: Callable[..., Any]
     _advance_fn: Callable[..., Any]
@@ -169,7 +168,6 @@ class StaticDecoder:
         self._compiled_ok: set[tuple[int, int]] = set()  # (rows, kv_len) steps that ran compiled
         self._use_eager_functions()
         if self.compiled:
-            self._pre_fn = torch.compile(layer_pre_attention)
             self._qkv_fn = torch.compile(layer_qkv)
             self._mlp_in_fn = torch.compile(layer_mlp_in)
             self._advance_fn = torch.compile(advance_slots)
@@ -182,7 +180,6 @@ class StaticDecoder:
 
     def _use_eager_functions(self) -> None:
         """The step's pure functions as plain PyTorch (``torch.compile`` wraps them on CUDA)."""
-        self._pre_fn = layer_pre_attention
         self._qkv_fn = layer_qkv
         self._mlp_in_fn = layer_mlp_in
         self._advance_fn = advance_slots
@@ -385,12 +382,11 @@ class StaticDecoder:
         for i in range(len(self.layers)):
             pre, (w_o, b_o, norm2, w_gu, w_down, b_down) = self._layer_weights(i)
             kc, vc = self.k_cache[i], self.v_cache[i]
+            qkv = self._qkv_fn(x, pre, self.eps)
             if att_kernel is not None:  # RoPE, the K/V write and attention in one kernel
-                qkv = self._qkv_fn(x, pre, self.eps)
                 att = att_kernel.rope_attend(qkv, self.cos, self.sin, pos, kc, vc, self.n_heads)
             else:
-                q = self._pre_fn(x, self.cos, self.sin, pos, kc, vc, pre, self.eps, self.n_heads)
-                att = kernels.decode_attention_ref(q, kc, vc, pos + 1, kv_len)
+                att = kernels.rope_attention_ref(qkv, self.cos, self.sin, pos, kc, vc, self.n_heads, kv_len)
             # residual GEMMs in place: the residual is cuBLAS's C operand, no copy of it first
             x = _residual_linear_(x, att.reshape(nb, self.n_heads * D), w_o, b_o)
             x = _residual_linear_(x, self._mlp_in_fn(x, norm2, w_gu, self.eps), w_down, b_down)
@@ -526,26 +522,6 @@ def layer_qkv(x: torch.Tensor, weights: tuple[Any, ...], eps: float) -> torch.Te
     """Norm and the fused q/k/v projection: ``x`` [B, H] -> ``qkv`` [B, (H + 2 Hkv) D]."""
     norm, w_qkv, b_qkv = weights
     return F.linear(F.rms_norm(x, (x.shape[-1],), norm, eps), w_qkv, b_qkv)
-
-
-def layer_pre_attention(
-    x: torch.Tensor,
-    cos: torch.Tensor,
-    signed_sin: torch.Tensor,
-    pos: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    weights: tuple[Any, ...],
-    eps: float,
-    n_heads: int,
-) -> torch.Tensor:
-    """Norm, q/k/v, RoPE and the new K/V written at each row's ``pos``; returns q [B, Hkv, G, D].
-
-    The path without the Triton attention kernel (which does the RoPE and the write itself). A pure
-    function of its tensors (no module access), so one torch.compile serves every layer.
-    """
-    qkv = layer_qkv(x, weights, eps)
-    return kernels.rope_and_store_kv(qkv, cos, signed_sin, pos, k_cache, v_cache, n_heads)
 
 
 def layer_mlp_in(x: torch.Tensor, norm: torch.Tensor, w_gate_up: torch.Tensor, eps: float) -> torch.Tensor:

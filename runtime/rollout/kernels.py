@@ -105,32 +105,6 @@ def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
 
 
-def rope_and_store_kv(
-    qkv: torch.Tensor,
-    cos: torch.Tensor,
-    signed_sin: torch.Tensor,
-    pos: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    n_heads: int,
-) -> torch.Tensor:
-    """RoPE on q and k of the projection output ``qkv`` [B, (H + 2 Hkv) D]; k and v written into
-    the caches at each row's ``pos``; returns q [B, Hkv, G, D].
-
-    ``cos`` / ``signed_sin`` are the ``[S, D]`` tables, the sine's first half negated, so that
-    ``rotate_half(x) * sin == roll(x, D/2) * signed_sin``.
-    """
-    b, n_kv, d = qkv.shape[0], k_cache.shape[1], k_cache.shape[3]
-    nqk = n_heads + n_kv
-    qk = qkv[:, : nqk * d].view(b, nqk, d)
-    c, sn = cos[pos][:, None], signed_sin[pos][:, None]
-    qk = rope(qk, c, sn)  # q and k are adjacent: one RoPE
-    rows = torch.arange(b, device=qkv.device)
-    k_cache[rows, :, pos] = qk[:, n_heads:]
-    v_cache[rows, :, pos] = qkv[:, nqk * d :].view(b, n_kv, d)
-    return qk[:, :n_heads].reshape(b, n_kv, n_heads // n_kv, d)
-
-
 def rope_attention_ref(
     qkv: torch.Tensor,
     cos: torch.Tensor,
@@ -139,11 +113,26 @@ def rope_attention_ref(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     n_heads: int,
+    kv_len: int | None = None,
 ) -> torch.Tensor:
-    """What ``TritonDecodeAttention.rope_attend`` computes: ``rope_and_store_kv`` then attention
-    over each row's positions up to and including ``pos``."""
-    q = rope_and_store_kv(qkv, cos, signed_sin, pos, k_cache, v_cache, n_heads)
-    return decode_attention_ref(q, k_cache, v_cache, pos + 1, int(pos.max()) + 1)
+    """What ``TritonDecodeAttention.rope_attend`` computes, in PyTorch (the reference, and the decode
+    step without the kernel): RoPE on q and k of the projection output ``qkv`` [B, (H + 2 Hkv) D]
+    (``cos`` / ``signed_sin`` are the ``[S, D]`` tables of ``rope``), k and v written into the
+    caches at each row's ``pos``, then attention over each row's positions up to and including
+    ``pos``; returns [B, Hkv, G, D]. ``kv_len`` bounds the positions read (default ``max(pos) + 1``,
+    which syncs with the host: a CUDA graph passes its KV bucket instead).
+    """
+    b, n_kv, d = qkv.shape[0], k_cache.shape[1], k_cache.shape[3]
+    nqk = n_heads + n_kv
+    qk = qkv[:, : nqk * d].view(b, nqk, d)
+    qk = rope(qk, cos[pos][:, None], signed_sin[pos][:, None])  # q and k are adjacent: one RoPE
+    rows = torch.arange(b, device=qkv.device)
+    k_cache[rows, :, pos] = qk[:, n_heads:]
+    v_cache[rows, :, pos] = qkv[:, nqk * d :].view(b, n_kv, d)
+    q = qk[:, :n_heads].reshape(b, n_kv, n_heads // n_kv, d)
+    return decode_attention_ref(
+        q, k_cache, v_cache, pos + 1, int(pos.max()) + 1 if kv_len is None else kv_len
+    )
 
 
 def decode_attention_ref(
