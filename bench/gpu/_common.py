@@ -85,3 +85,11 @@ def run_info(device: Any, ceil: dict[str, Any], args: Any) -> dict[str, Any]:
         "ceilings": ceil["detail"],
         "args": vars(args),
     }
+
+
+def sync(device: Any) -> None:
+    """Wait for the GPU's queued work (timings end here); nothing to wait for on the CPU."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

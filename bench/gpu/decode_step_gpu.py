@@ -50,11 +50,6 @@ CONFIGS: dict[str, int | str | None] = {
 }
 
 
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def time_step(dec: StaticDecoder, rows: int, context: int, steps: int, repeats: int) -> float:
     """Median seconds per replayed step, every row at ``context`` positions when each timing starts."""
     s = dec.state
@@ -69,11 +64,11 @@ def time_step(dec: StaticDecoder, rows: int, context: int, steps: int, repeats: 
     for _ in range(repeats):
         for k, v in snap.items():
             getattr(s, k).copy_(v)
-        sync(dec.device)
+        common.sync(dec.device)
         t = time.perf_counter()
         for _ in range(steps):
             dec.decode(rows)
-        sync(dec.device)
+        common.sync(dec.device)
         out.append((time.perf_counter() - t) / steps)
     return statistics.median(out)
 
@@ -159,10 +154,10 @@ def bench_sampler(
         x = logits.to(dev, dtype)
         times = []
         for _ in range(repeats + 1):  # the first call compiles
-            sync(dev)
+            common.sync(dev)
             t = time.perf_counter()
             sampler(x, temp, seeds)
-            sync(dev)
+            common.sync(dev)
             times.append(time.perf_counter() - t)
         t = statistics.median(times[1:])
         bound = x.numel() * x.element_size() / read_bps

@@ -47,11 +47,6 @@ from rlkube.runtime.rollout.base import RolloutRequest, SamplingParams  # noqa: 
 from rlkube.runtime.rollout.hf import HFEngine, teacher_forced_logprobs  # noqa: E402
 
 
-def sync(dev: torch.device) -> None:
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 def reset_peak(dev: torch.device) -> None:
     if dev.type == "cuda":
         torch.cuda.empty_cache()
@@ -114,17 +109,17 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
     )
     try:
         engine.generate(make_requests("w", vocab, warm_p, warm_r, samples, seed=2))  # compiles, captures
-        sync(dev)
+        common.sync(dev)
         first_call_s = time.perf_counter() - t0
         d = engine.decoder
         d.steps_by_bucket.clear()
         moved0, prefill0 = d.rows_moved, d.prefill_forwards
         reqs = make_requests("q", vocab, p_lens, r_lens, samples, seed=1)
         reset_peak(dev)
-        sync(dev)
+        common.sync(dev)
         t = time.perf_counter()
         out = engine.generate(reqs)
-        sync(dev)
+        common.sync(dev)
         dt = time.perf_counter() - t
         tokens = sum(len(c.token_ids) for c in out)
         assert tokens == sum(r_lens), (tokens, sum(r_lens))
@@ -170,10 +165,10 @@ def run_generate(model: Any, args: argparse.Namespace, dev: torch.device) -> dic
     with torch.no_grad():
         model.generate(ids, max_new_tokens=8, min_new_tokens=8, **kw)
         reset_peak(dev)
-        sync(dev)
+        common.sync(dev)
         t = time.perf_counter()
         out = model.generate(ids, max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, **kw)
-        sync(dev)
+        common.sync(dev)
         dt = time.perf_counter() - t
     tokens = int(out[:, ids.shape[1] :].numel())
     return {"tokens": tokens, "seconds": dt, "tokens_per_s": tokens / dt, "peak_memory_gib": peak_gib(dev)}
@@ -192,10 +187,10 @@ def profile_decode(
         p_lens, r_lens = [args.prompt_len] * prompts, [128] * rows
         vocab = model.config.vocab_size
         engine.generate(make_requests("p", vocab, p_lens, r_lens, args.samples, seed=3))
-        sync(dev)
+        common.sync(dev)
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             engine.generate(make_requests("r", vocab, p_lens, r_lens, args.samples, seed=4))
-            sync(dev)
+            common.sync(dev)
         table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=45, max_name_column_width=70)
         with open(out_dir / "rollout-profile.txt", "a") as f:
             f.write(

@@ -50,11 +50,6 @@ _spec.loader.exec_module(common)
 COMPILE_CHOICES: dict[str, Any] = {"auto": "auto", "on": True, "off": False}
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def update_profiler(on: bool) -> Any:
     """A CPU + CUDA ``torch.profiler`` context when ``on``, else one that yields ``None``."""
     if not on:
@@ -184,13 +179,13 @@ def rlkube_grpo(
             for c in comps
         ]
         batch_t = collate(samples, 0)
-        sync(device)
+        common.sync(device)
         t0 = time.perf_counter()
         t_old = 0.0
         if old_pass:
             old, _ = actor.compute_logprobs(batch_t)
             batch_t.extras["old_logp"] = old
-            sync(device)
+            common.sync(device)
             t_old = time.perf_counter() - t0
         adv, _ = compute_advantages(
             "grpo", mask=batch_t.response_mask, scores=batch_t.scores, group_index=batch_t.group_index
@@ -215,7 +210,7 @@ def rlkube_grpo(
             else:
                 actor.update(batch_t, num_mini_batches=num_mini, epochs=epochs)
                 actor.lr_step()
-            sync(device)
+            common.sync(device)
             t_update = time.perf_counter() - t_up
         if prof is not None:
             write_profile(
@@ -273,7 +268,7 @@ def rlkube_grpo(
         for name, fn in (("direct", direct), ("rank group", by_group)):
             with update_profiler(True) as prof:
                 fn()
-                sync(device)
+                common.sync(device)
             write_profile(prof, f"{size} {job}: one update ({name}), micro-batch {args.micro_batch}")
     engine_compiled = getattr(engine.decoder, "compiled", None)
     compile_error = getattr(engine.decoder, "compile_error", None)
@@ -352,17 +347,17 @@ def head_bench(size: str, device: torch.device, tokens: int, repeats: int = 5) -
     for name, fn in (("full_logits", full), ("fused", fused), ("chunked", chunked)):
         for _ in range(2):
             fn()
-        sync(device)
+        common.sync(device)
         torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
         times = []
         for _ in range(repeats):
             weight.grad, hidden.grad = None, None
-            sync(device)
+            common.sync(device)
             t = time.perf_counter()
             fn()
-            sync(device)
+            common.sync(device)
             times.append(time.perf_counter() - t)
         out[name] = {
             "seconds_median": statistics.median(times),
@@ -418,11 +413,11 @@ def trl_grpo(size: str, args: argparse.Namespace, device: torch.device) -> dict[
 
         class Timer(TrainerCallback):
             def on_step_begin(self, *a: Any, **k: Any) -> None:
-                sync(device)
+                common.sync(device)
                 self.t = time.perf_counter()
 
             def on_step_end(self, *a: Any, **k: Any) -> None:
-                sync(device)
+                common.sync(device)
                 times.append(time.perf_counter() - self.t)
 
         trainer = GRPOTrainer(
