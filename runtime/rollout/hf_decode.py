@@ -380,16 +380,14 @@ class StaticDecoder:
         x = self.inner.embed_tokens(s.cur_tok[:nb])  # [nb, H]
         att_kernel = self._attention
         for i in range(len(self.layers)):
-            pre, (w_o, b_o, norm2, w_gu, w_down, b_down) = self._layer_weights(i)
+            pre, post = self._layer_weights(i)
             kc, vc = self.k_cache[i], self.v_cache[i]
             qkv = self._qkv_fn(x, pre, self.eps)
             if att_kernel is not None:  # RoPE, the K/V write and attention in one kernel
                 att = att_kernel.rope_attend(qkv, self.cos, self.sin, pos, kc, vc, self.n_heads)
             else:
                 att = kernels.rope_attention_ref(qkv, self.cos, self.sin, pos, kc, vc, self.n_heads, kv_len)
-            # residual GEMMs in place: the residual is cuBLAS's C operand, no copy of it first
-            x = _residual_linear_(x, att.reshape(nb, self.n_heads * D), w_o, b_o)
-            x = _residual_linear_(x, self._mlp_in_fn(x, norm2, w_gu, self.eps), w_down, b_down)
+            x = layer_post_attention(x, att.reshape(nb, self.n_heads * D), post, self.eps, self._mlp_in_fn)
         logits = self._head(x)
         tok, lp = self.sample(
             logits, s.temperature[:nb], s.top_p[:nb], s.key[:nb], s.n_gen[:nb], self.any_top_p
@@ -531,31 +529,27 @@ def layer_mlp_in(x: torch.Tensor, norm: torch.Tensor, w_gate_up: torch.Tensor, e
 
 
 def layer_post_attention(
-    x: torch.Tensor, att: torch.Tensor, weights: tuple[Any, ...], eps: float
+    x: torch.Tensor,
+    att: torch.Tensor,
+    weights: tuple[Any, ...],
+    eps: float,
+    mlp_in: Callable[..., torch.Tensor] = layer_mlp_in,
 ) -> torch.Tensor:
-    """o_proj with the residual, then the gated MLP with the residual (``x`` [..., H]; prefill)."""
+    """o_proj into the residual, then the gated MLP into the residual, both in place on ``x``
+    [..., H] (the caller's residual stream); ``mlp_in`` is ``layer_mlp_in`` or its compiled copy."""
     w_o, b_o, norm, w_gu, w_down, b_down = weights
-    x = _residual_linear(x, att, w_o, b_o)
-    return _residual_linear(x, layer_mlp_in(x, norm, w_gu, eps), w_down, b_down)
-
-
-def _residual_linear(
-    x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-) -> torch.Tensor:
-    """``x + h @ weight.T (+ bias)``; bias-free as one GEMM with the residual as its C operand."""
-    if bias is not None:
-        return x + F.linear(h, weight, bias)
-    shape = x.shape
-    return torch.addmm(x.reshape(-1, shape[-1]), h.reshape(-1, h.shape[-1]), weight.t()).view(shape)
+    x = _residual_linear_(x, att, w_o, b_o)
+    return _residual_linear_(x, mlp_in(x, norm, w_gu, eps), w_down, b_down)
 
 
 def _residual_linear_(
     x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
-    """``x += h @ weight.T (+ bias)`` for a 2-D ``x`` the caller owns (the decode step's residual)."""
-    x.addmm_(h, weight.t())
+    """``x += h @ weight.T (+ bias)`` in place; bias-free, one GEMM with ``x`` as cuBLAS's C operand
+    (no copy of the residual first)."""
     if bias is not None:
-        x.add_(bias)
+        return x.add_(F.linear(h, weight, bias))
+    x.view(-1, x.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), weight.t())
     return x
 
 
