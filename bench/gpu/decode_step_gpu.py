@@ -25,6 +25,7 @@ import json
 import os
 import statistics
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,8 @@ CONFIGS: dict[str, int | str | None] = {
     "split128": 128,
     "split256": 256,
 }
+
+CAPTURE_FAILURE_CHECKS = ("same_tokens", "graphs_off", "graph_error_recorded", "random_ops_work_after")
 
 
 def time_step(dec: StaticDecoder, rows: int, context: int, steps: int, repeats: int) -> float:
@@ -114,8 +117,8 @@ def bench(
         configure(dec, name, default_split)
         try:
             t = time_step(dec, rows, context, args.steps, args.repeats)
-        except Exception as exc:
-            res.append({"size": size, "rows": rows, "config": name, "error": f"{type(exc).__name__}: {exc}"})
+        except Exception:
+            res.append({"size": size, "rows": rows, "config": name, "error": traceback.format_exc()[-3000:]})
             continue
         base = base or t
         res.append({
@@ -174,6 +177,51 @@ def bench_sampler(
     return out
 
 
+def capture_failure_check(dev: torch.device) -> dict[str, Any]:
+    """A decode step that CUDA refuses to capture (a host sync inside it): the engine must record
+    why, decode the same tokens without graphs, and leave the device's random numbers usable (in
+    torch 2.11 an aborted capture otherwise breaks every later eager random op in the process,
+    a colocated trainer's included)."""
+    if dev.type != "cuda":
+        return {"ran": False, "why": "needs a CUDA or ROCm device"}
+    from rlkube.runtime.rollout.base import RolloutRequest, SamplingParams
+    from rlkube.runtime.rollout.hf import HFEngine
+
+    def make_model() -> Any:
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(0)
+        return AutoModelForCausalLM.from_config(tiny_qwen2_config(64, hidden_size=128, num_heads=2)).to(dev)
+
+    reqs = [RolloutRequest("r", [1, 2, 3], SamplingParams(n=4, max_tokens=12, temperature=1.0, seed=3))]
+    with HFEngine(model=make_model(), num_slots=4, max_seq_len=64, cuda_graphs=False) as eng:
+        want = [c.token_ids for c in eng.generate(reqs)]
+    out: dict[str, Any] = {"ran": True, "torch": torch.__version__}
+    with HFEngine(model=make_model(), num_slots=4, max_seq_len=64) as eng:
+        dec = eng.decoder
+        step = dec._decode_step
+
+        def step_with_host_sync(nb: int, kv_len: int) -> None:
+            if torch.cuda.is_current_stream_capturing():
+                torch.cuda.synchronize()  # not allowed while capturing: CUDA aborts the capture
+            step(nb, kv_len)
+
+        dec._decode_step = step_with_host_sync
+        got = [c.token_ids for c in eng.generate(reqs)]
+        out["same_tokens"] = got == want
+        out["graphs_off"] = not dec.use_graphs
+        out["graph_error_recorded"] = bool(dec.graph_error)
+        out["graph_error_tail"] = (dec.graph_error or "")[-400:]
+    try:
+        torch.randn(1024, device=dev).sum().item()
+        out["random_ops_work_after"] = True
+    except RuntimeError as exc:
+        out["random_ops_work_after"] = False
+        out["random_error"] = str(exc)[-400:]
+    print(json.dumps({"capture_failure": out}), flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--sizes", default="0.5b,1.5b")
@@ -207,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
         for rows in (int(r) for r in args.rows.split(","))
         for r in bench_sampler(rows, vocab, dev, ceil["read_bandwidth_gbs"] * 1e9, args.repeats)
     ]
+    report["capture_failure"] = capture_failure_check(dev)
     if os.environ.get("OUT"):
         Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
         (Path(os.environ["OUT"]) / "decode-step-gpu.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -224,7 +273,10 @@ def main(argv: list[str] | None = None) -> int:
             f"sampler {r['sampler']:<7} rows {r['rows']:>4}: {r['us']:8.1f} us, "
             f"{100 * r['fraction_of_read_bound']:5.1f}% of the logits' read bound"
         )
-    return 1 if any("error" in r for r in report["results"]) else 0
+    cf = report["capture_failure"]
+    recovered = not cf["ran"] or all(cf[k] for k in CAPTURE_FAILURE_CHECKS)
+    print(f"aborted graph capture: {'recovers' if recovered else 'DOES NOT RECOVER'} {cf}")
+    return 1 if any("error" in r for r in report["results"]) or not recovered else 0
 
 
 if __name__ == "__main__":

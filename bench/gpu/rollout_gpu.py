@@ -141,6 +141,7 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
             "cuda_graphs": d.use_graphs,
             "compiled": d.compiled,
             "compile_error": (d.compile_error or "")[-3000:] or None,
+            "graph_error": (d.graph_error or "")[-3000:] or None,
             "kernels": d.kernels_used,
             "kernel_errors": d.kernel_errors,
             "graphs_captured": len(d._graphs),

@@ -33,7 +33,8 @@ the residual in place (cuBLAS's C operand, no copy of the residual first), norm 
 SiLU, the down GEMM into the residual in place. ``compile_step="auto"`` compiles the pure pieces
 around the GEMMs (the norms, SiLU, the slots' bookkeeping after sampling) with torch.compile on CUDA
 (one compile serves every layer and, after one recompile with a dynamic batch, every bucket) and
-falls back to eager, recording why, if it fails.
+falls back to eager, recording why, if it fails; a step whose CUDA graph capture fails decodes
+without graphs from then on, also recording why (``graph_error``).
 Logprobs are raw ``log_softmax(logits)`` of the sampled token (see ``rollout.base``).
 """
 
@@ -159,12 +160,18 @@ class StaticDecoder:
         )
         self._rows = torch.arange(self.B, device=dev)
         self.any_top_p = False
+        if use_cuda_graphs and dev.type != "cuda":
+            raise ValueError(
+                f"cuda_graphs=True needs the model on a CUDA or ROCm GPU, not {dev.type}; "
+                "leave it unset to use graphs wherever they run"
+            )
         self.use_graphs = (dev.type == "cuda") if use_cuda_graphs is None else use_cuda_graphs
         self._init_kernels(kernels_setting)
         if compile_step not in (True, False, "auto"):
             raise ValueError(f"compile_step must be True, False or 'auto', not {compile_step!r}")
         self.compiled = dev.type == "cuda" if compile_step == "auto" else bool(compile_step)
         self.compile_error: str | None = None  # traceback of a failed compile (then eager)
+        self.graph_error: str | None = None  # traceback of a failed graph capture (then no graphs)
         self._compiled_ok: set[tuple[int, int]] = set()  # (rows, kv_len) steps that ran compiled
         self._use_eager_functions()
         if self.compiled:
@@ -405,61 +412,75 @@ class StaticDecoder:
         if self._attention is None and kv_len <= 0:
             raise ValueError("kv_len is required without the decode-attention kernel")
         self.steps_by_bucket[nb] = self.steps_by_bucket.get(nb, 0) + 1
-        if not self.use_graphs:
-            self._guarded(False, nb, kv_len)
-            return
-        key = (nb, kv_len, self.any_top_p)
-        graph = self._graphs.get(key)
-        if graph is None:
-            graph = self._guarded(True, nb, kv_len)
-            self._graphs[key] = graph
-        graph.replay()
+        if self.use_graphs:
+            key = (nb, kv_len, self.any_top_p)
+            graph = self._graphs.get(key)
+            if graph is None:
+                graph = self._capture(nb, kv_len)
+            if graph is not None:
+                self._graphs[key] = graph
+                graph.replay()
+                return
+        self._step(nb, kv_len)
 
-    def _guarded(self, capture: bool, nb: int, kv_len: int) -> Any:
-        """Step (or capture a graph); if the compiled step fails to compile, go eager and retry."""
-
-        def run() -> Any:
-            return self._capture(nb, kv_len) if capture else self._decode_step(nb, kv_len)
-
+    def _step(self, nb: int, kv_len: int) -> None:
+        """One step, compiled where it compiles: if the compiled step fails, go eager and retry."""
         if not self.compiled or (nb, kv_len) in self._compiled_ok:
-            return run()
-        snap = {k: v.clone() for k, v in vars(self.state).items()}
+            self._decode_step(nb, kv_len)
+            return
+        snap = self._snapshot()
         try:
-            out = run()
+            self._decode_step(nb, kv_len)
             self._compiled_ok.add((nb, kv_len))
-            return out
         except Exception:  # inductor/triton failures surface as many exception types
             self.compile_error = traceback.format_exc()
             log.warning("torch.compile of the decode step failed; decoding eagerly:\n%s", self.compile_error)
-            for k, v in snap.items():
-                getattr(self.state, k).copy_(v)
+            self._restore(snap)
             self.compiled = False
             self._use_eager_functions()
             self._graphs.clear()
-            return run()
+            self._decode_step(nb, kv_len)
 
-    def _capture(self, nb: int, kv_len: int) -> torch.cuda.CUDAGraph:
+    def _capture(self, nb: int, kv_len: int) -> torch.cuda.CUDAGraph | None:
+        """A CUDA graph of the step, or None once capture has failed: then the reason is kept in
+        ``graph_error`` and graphs are off for good. The step still decodes (without graphs), and
+        the process's CUDA random-number state stays usable for whatever else runs in it (a
+        colocated trainer)."""
         # Warm-up and capture run real steps, so snapshot the (small) slot state and restore it:
         # capture must not advance real requests. The KV cache needs no snapshot: a step writes
         # only at each slot's current position (the value the next real step writes again) and,
         # for advanced slots, beyond it, where nothing is read before being rewritten.
-        snap = {k: v.clone() for k, v in vars(self.state).items()}
+        snap = self._snapshot()
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            for _ in range(2):
-                self._decode_step(nb, kv_len)
-                for k, v in snap.items():
-                    getattr(self.state, k).copy_(v)
+            for _ in range(2):  # compiles (or falls back to eager) outside the capture
+                self._step(nb, kv_len)
+                self._restore(snap)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            self._decode_step(nb, kv_len)
+        try:
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                self._decode_step(nb, kv_len)
+        except Exception:
+            release_rng_after_failed_capture(self.device)
+            self.graph_error = traceback.format_exc()
+            log.warning("decode step graph capture failed; decoding without graphs:\n%s", self.graph_error)
+            self.use_graphs = False
+            self._graphs.clear()
+            return None
+        finally:
+            self._restore(snap)
+        return graph
+
+    def _snapshot(self) -> dict[str, torch.Tensor]:
+        return {k: v.clone() for k, v in vars(self.state).items()}
+
+    def _restore(self, snap: dict[str, torch.Tensor]) -> None:
         for k, v in snap.items():
             getattr(self.state, k).copy_(v)
-        return graph
 
     @torch.no_grad()
     def move_rows(self, src: Sequence[int], dst: Sequence[int], upto: int) -> None:
@@ -480,6 +501,25 @@ class StaticDecoder:
     def drop_graphs(self) -> None:
         """Forget captured graphs (e.g. after the cache or weights were reallocated)."""
         self._graphs.clear()
+
+
+def release_rng_after_failed_capture(device: torch.device) -> None:
+    """Make the device's default CUDA generator usable again after a capture CUDA aborted.
+
+    Such a capture never reaches torch's capture epilogue, so (torch 2.11; 2.13 keeps this state
+    per capture) the generator stays marked as capturing and every later eager random op on
+    the device raises "Offset increment outside graph capture encountered unexpectedly". A clone of
+    its state (same seed and offset) is not marked: install it, only when the probe op fails.
+    """
+    if device.type != "cuda":
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    try:
+        torch.empty(1, device=device).uniform_()
+    except RuntimeError:
+        gen = torch.cuda.default_generators[index]
+        gen.graphsafe_set_state(gen.clone_state())
+        log.warning("reset the CUDA random-number state of %s after a failed graph capture", device)
 
 
 def advance_slots(

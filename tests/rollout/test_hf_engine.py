@@ -290,6 +290,53 @@ def test_a_failing_compile_falls_back_to_eager_with_the_same_tokens(monkeypatch:
     assert got == want
 
 
+def test_an_aborted_graph_capture_leaves_the_engine_decoding_without_graphs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Fault injection (no GPU here): CUDA aborts the capture of the decode step, as it does when
+    something in the step syncs with the host. The engine keeps why, stops trying graphs and
+    decodes the same tokens; the failed attempt advances no request. On a GPU the bench's
+    ``capture_failure`` check repeats this with a real aborted capture and then draws random
+    numbers on the device (``bench/gpu/decode_step_gpu.py``)."""
+    import contextlib
+
+    from rlkube.runtime.rollout.base import RolloutRequest, SamplingParams
+
+    class Stream:
+        def wait_stream(self, other: Any) -> None:
+            pass
+
+    captures = []
+
+    def aborted_capture(*args: Any, **kwargs: Any) -> Any:
+        captures.append(args)
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    req = [RolloutRequest("r", [1, 2, 3], SamplingParams(n=2, max_tokens=9, temperature=1.0, seed=5))]
+    with HFEngine(model=_tiny_qwen2_for_fused_test(), num_slots=2, max_seq_len=32) as eager:
+        want = [c.token_ids for c in eager.generate(req)]
+    for name, fake in {
+        "Stream": Stream,
+        "current_stream": Stream,
+        "stream": lambda s: contextlib.nullcontext(),
+        "CUDAGraph": object,
+        "graph_pool_handle": lambda: None,
+        "graph": aborted_capture,
+    }.items():
+        monkeypatch.setattr(torch.cuda, name, fake)
+    with HFEngine(model=_tiny_qwen2_for_fused_test(), num_slots=2, max_seq_len=32) as eng:
+        eng.decoder.use_graphs = True  # as on a GPU
+        got = [c.token_ids for c in eng.generate(req)]
+        assert len(captures) == 1 and eng.decoder.use_graphs is False  # tried once, then off
+        assert "not permitted when stream is capturing" in (eng.decoder.graph_error or "")
+    assert got == want
+
+
+def test_cuda_graphs_on_a_cpu_model_are_refused_naming_the_setting() -> None:
+    with pytest.raises(ValueError, match="cuda_graphs=True needs the model on a CUDA or ROCm GPU, not cpu"):
+        HFEngine(model=_tiny_qwen2_for_fused_test(), num_slots=2, max_seq_len=32, cuda_graphs=True)
+
+
 def _tiny_qwen2_for_fused_test() -> Any:
     from transformers import AutoModelForCausalLM
 
