@@ -7,6 +7,7 @@ no combine kernel). Random-init Qwen2 with Qwen2.5-0.5B / 1.5B shapes, bf16.
 
     python bench/gpu/decode_step_gpu.py                       # GPU: 0.5b and 1.5b, 64 and 512 rows
     python bench/gpu/decode_step_gpu.py --sizes 0.5b --rows 64 --context 192
+    python bench/gpu/decode_step_gpu.py --compile auto,max-autotune --configs default   # GEMM autotune A/B
     TRITON_INTERPRET=1 python bench/gpu/decode_step_gpu.py --smoke   # CPU, tiny shapes (tested in CI)
 
 Writes JSON to stdout and to ``$OUT/decode-step-gpu.json`` when ``$OUT`` is set; each entry has the
@@ -53,8 +54,9 @@ CONFIGS: dict[str, int | str | None] = {
 CAPTURE_FAILURE_CHECKS = ("same_tokens", "graphs_off", "graph_error_recorded", "random_ops_work_after")
 
 
-def time_step(dec: StaticDecoder, rows: int, context: int, steps: int, repeats: int) -> float:
-    """Median seconds per replayed step, every row at ``context`` positions when each timing starts."""
+def time_step(dec: StaticDecoder, rows: int, context: int, steps: int, repeats: int) -> tuple[float, float]:
+    """Median seconds per replayed step, every row at ``context`` positions when each timing starts,
+    and the seconds of the first step (compile, when not done yet, and capture)."""
     s = dec.state
     s.pos[:rows] = context
     s.running[:rows] = True
@@ -62,7 +64,11 @@ def time_step(dec: StaticDecoder, rows: int, context: int, steps: int, repeats: 
     s.max_new[:rows] = dec.T
     s.temperature[:rows] = 1.0
     snap = {k: v.clone() for k, v in vars(s).items()}
+    common.sync(dec.device)
+    t = time.perf_counter()
     dec.decode(rows)  # capture (and compile) outside the timings
+    common.sync(dec.device)
+    first = time.perf_counter() - t
     out = []
     for _ in range(repeats):
         for k, v in snap.items():
@@ -73,7 +79,7 @@ def time_step(dec: StaticDecoder, rows: int, context: int, steps: int, repeats: 
             dec.decode(rows)
         common.sync(dec.device)
         out.append((time.perf_counter() - t) / steps)
-    return statistics.median(out)
+    return statistics.median(out), first
 
 
 def configure(dec: StaticDecoder, name: str, default_split: Any) -> None:
@@ -88,7 +94,13 @@ def configure(dec: StaticDecoder, name: str, default_split: Any) -> None:
 
 
 def bench(
-    size: str, rows: int, context: int, args: argparse.Namespace, read_bps: float, flops: float
+    size: str,
+    rows: int,
+    context: int,
+    compile_step: str,
+    args: argparse.Namespace,
+    read_bps: float,
+    flops: float,
 ) -> list[dict[str, Any]]:
     dev = torch.device("cpu" if args.smoke else "cuda")
     if args.smoke:  # fp32 tiny model; the Triton kernels run in the interpreter
@@ -108,7 +120,7 @@ def bench(
     )
     dec = StaticDecoder(
         model, num_slots=rows, max_seq_len=context + args.steps + 8, max_new_tokens=args.steps + 4,
-        compile_step="auto", kernels_setting=True, use_cuda_graphs=None,
+        compile_step=compile_step, kernels_setting=True, use_cuda_graphs=None,
     )  # fmt: skip
     default_split = dec._attention.split_for
     res = []
@@ -116,14 +128,18 @@ def bench(
     for name in args.configs.split(","):
         configure(dec, name, default_split)
         try:
-            t = time_step(dec, rows, context, args.steps, args.repeats)
+            t, first_s = time_step(dec, rows, context, args.steps, args.repeats)
         except Exception:
-            res.append({"size": size, "rows": rows, "config": name, "error": traceback.format_exc()[-3000:]})
+            res.append({
+                "size": size, "rows": rows, "compile": compile_step, "config": name,
+                "error": traceback.format_exc()[-3000:],
+            })  # fmt: skip
             continue
         base = base or t
         res.append({
-            "size": "tiny" if args.smoke else size, "rows": rows, "context": context, "config": name,
-            "step_ms": 1e3 * t, "bound_ms": 1e3 * bound_s,
+            "size": "tiny" if args.smoke else size, "rows": rows, "context": context,
+            "compile": compile_step, "compiled": dec.compiled, "config": name,
+            "step_ms": 1e3 * t, "first_step_s": first_s, "bound_ms": 1e3 * bound_s,
             "fraction_of_bound": bound_s / t, "speedup_vs_first": base / t,
             "split": dec._attention.split_for(rows),
         })  # fmt: skip
@@ -228,6 +244,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rows", default="64,512")
     ap.add_argument("--context", type=int, default=192, help="positions in the KV cache of every row")
     ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument(
+        "--compile", default="auto",
+        help="compile_step settings to compare, e.g. auto,max-autotune (each builds its own decoder)",
+    )  # fmt: skip
     ap.add_argument("--steps", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument(
@@ -246,9 +266,18 @@ def main(argv: list[str] | None = None) -> int:
     }
     for size in args.sizes.split(","):
         for rows in (int(r) for r in args.rows.split(",")):
-            report["results"] += bench(
-                size, rows, args.context, args, ceil["read_bandwidth_gbs"] * 1e9, ceil["gemm_tflops"] * 1e12
-            )
+            for setting in args.compile.split(","):
+                report["results"] += bench(
+                    size, rows, args.context, setting, args,
+                    ceil["read_bandwidth_gbs"] * 1e9, ceil["gemm_tflops"] * 1e12,
+                )  # fmt: skip
+    first_setting = args.compile.split(",")[0]
+    ok = [r for r in report["results"] if "error" not in r]
+    timed = {(r["size"], r["rows"], r["config"], r["compile"]): r for r in ok}
+    for (size, rows, config, _setting), r in timed.items():
+        ref = timed.get((size, rows, config, first_setting))
+        if ref is not None:  # the same step under the first compile setting, in this run
+            r["speedup_vs_first_compile"] = ref["step_ms"] / r["step_ms"]
     vocab = 4096 if args.smoke else 151936  # Qwen2.5's
     report["sampler"] = [
         r
@@ -261,12 +290,12 @@ def main(argv: list[str] | None = None) -> int:
         (Path(os.environ["OUT"]) / "decode-step-gpu.json").write_text(json.dumps(report, indent=2) + "\n")
     for r in report["results"]:
         if "error" in r:
-            print(f"{r['size']:>5} rows {r['rows']:>4} {r['config']:<16} {r['error']}")
+            print(f"{r['size']:>5} rows {r['rows']:>4} {r['compile']:<12} {r['config']:<10} {r['error']}")
         else:
             print(
-                f"{r['size']:>5} rows {r['rows']:>4} {r['config']:<16} {r['step_ms']:7.3f} ms "
-                f"{100 * r['fraction_of_bound']:5.1f}% of bound  x{r['speedup_vs_first']:.2f}"
-                f"  split {r['split']}"
+                f"{r['size']:>5} rows {r['rows']:>4} {r['compile']:<12} {r['config']:<10} "
+                f"{r['step_ms']:7.3f} ms {100 * r['fraction_of_bound']:5.1f}% of bound  "
+                f"x{r['speedup_vs_first']:.2f}  split {r['split']}  first step {r['first_step_s']:.1f} s"
             )
     for r in report["sampler"]:
         print(

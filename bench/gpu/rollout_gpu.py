@@ -104,7 +104,7 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
         num_slots=batch,
         max_seq_len=max_seq,
         sync_every=args.sync_every,
-        compile_step={"auto": "auto", "on": True, "off": False}[args.compile],
+        compile_step={"auto": "auto", "on": True, "off": False, "max-autotune": "max-autotune"}[args.compile],
         kernels={"auto": "auto", "on": True, "off": False}[args.kernels],
     )
     try:
@@ -265,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--rl-max-response", type=int, default=1024)
     ap.add_argument("--sync-every", type=int, default=None)
-    ap.add_argument("--compile", choices=["auto", "on", "off"], default="auto")
+    ap.add_argument("--compile", choices=["auto", "on", "off", "max-autotune"], default="auto")
     ap.add_argument("--kernels", choices=["auto", "on", "off"], default="auto")
     ap.add_argument("--skip-generate", action="store_true")
     ap.add_argument("--profile", action="store_true", help="kernel tables of the b64 and b512 decode (GPU)")

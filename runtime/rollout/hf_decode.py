@@ -53,7 +53,11 @@ import torch.nn.functional as F
 from rlkube.runtime.rollout import kernels
 
 log = logging.getLogger(__name__)
-CompileSetting = bool | str  # True, False or "auto" (compile on CUDA, eager elsewhere)
+# True, False, "auto" (compile on CUDA, eager elsewhere) or "max-autotune" (compile, and let inductor
+# time its Triton GEMM templates against cuBLAS for the q/k/v and gate/up GEMMs, fusing SiLU into
+# the winner; an A/B for the GPU benches, off by default until measured)
+CompileSetting = bool | str
+COMPILE_SETTINGS = (True, False, "auto", "max-autotune")
 KernelSetting = bool | str  # True (required), False (PyTorch only) or "auto" (on GPUs, if they self-check)
 
 
@@ -167,16 +171,19 @@ class StaticDecoder:
             )
         self.use_graphs = (dev.type == "cuda") if use_cuda_graphs is None else use_cuda_graphs
         self._init_kernels(kernels_setting)
-        if compile_step not in (True, False, "auto"):
-            raise ValueError(f"compile_step must be True, False or 'auto', not {compile_step!r}")
+        if compile_step not in COMPILE_SETTINGS:
+            allowed = "True, False, 'auto' or 'max-autotune'"
+            raise ValueError(f"compile_step must be {allowed}, not {compile_step!r}")
         self.compiled = dev.type == "cuda" if compile_step == "auto" else bool(compile_step)
+        # our own CUDA graphs capture the step, so inductor must not add its own
+        mode = "max-autotune-no-cudagraphs" if compile_step == "max-autotune" else None
         self.compile_error: str | None = None  # traceback of a failed compile (then eager)
         self.graph_error: str | None = None  # traceback of a failed graph capture (then no graphs)
         self._compiled_ok: set[tuple[int, int]] = set()  # (rows, kv_len) steps that ran compiled
         self._use_eager_functions()
         if self.compiled:
-            self._qkv_fn = torch.compile(layer_qkv)
-            self._mlp_in_fn = torch.compile(layer_mlp_in)
+            self._qkv_fn = torch.compile(layer_qkv, mode=mode)
+            self._mlp_in_fn = torch.compile(layer_mlp_in, mode=mode)
             self._advance_fn = torch.compile(advance_slots)
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None

@@ -265,7 +265,7 @@ def test_fused_weights_are_views_so_a_weight_update_needs_no_recopy() -> None:
 def test_compile_step_auto_is_eager_on_cpu_and_bad_values_are_refused() -> None:
     with HFEngine(model=_tiny_qwen2_for_fused_test(), num_slots=2, max_seq_len=32) as eng:
         assert eng.decoder.compiled is False and eng.decoder.compile_error is None
-    with pytest.raises(ValueError, match="compile_step must be True, False or 'auto'"):
+    with pytest.raises(ValueError, match="compile_step must be True, False, 'auto' or 'max-autotune'"):
         HFEngine(model=_tiny_qwen2_for_fused_test(), num_slots=2, max_seq_len=32, compile_step="yes")
 
 
@@ -287,6 +287,22 @@ def test_a_failing_compile_falls_back_to_eager_with_the_same_tokens(monkeypatch:
         got = sorted(tuple(c.token_ids) for c in eng.generate(req))
         assert eng.decoder.compiled is False
         assert eng.decoder.compile_error is not None and "no C++ compiler" in eng.decoder.compile_error
+    assert got == want
+
+
+def test_the_max_autotune_compile_setting_decodes_the_same_tokens() -> None:
+    """``compile_step="max-autotune"`` (the GEMM-autotune A/B of the GPU benches) really compiles
+    (here inductor's CPU backend) and changes no token."""
+    from rlkube.runtime.rollout.base import RolloutRequest, SamplingParams
+
+    req = [RolloutRequest("r", [1, 2, 3], SamplingParams(n=2, max_tokens=6, temperature=1.0, seed=5))]
+    with HFEngine(model=_tiny_qwen2_for_fused_test(), num_slots=2, max_seq_len=32) as eager:
+        want = [c.token_ids for c in eager.generate(req)]
+    with HFEngine(
+        model=_tiny_qwen2_for_fused_test(), num_slots=2, max_seq_len=32, compile_step="max-autotune"
+    ) as eng:
+        got = [c.token_ids for c in eng.generate(req)]
+        assert eng.decoder.compiled is True and eng.decoder.compile_error is None
     assert got == want
 
 
