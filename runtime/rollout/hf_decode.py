@@ -54,8 +54,8 @@ from rlkube.runtime.rollout import kernels
 
 log = logging.getLogger(__name__)
 # True, False, "auto" (compile on CUDA, eager elsewhere) or "max-autotune" (compile, and let inductor
-# time its Triton GEMM templates against cuBLAS for the q/k/v and gate/up GEMMs, fusing SiLU into
-# the winner; an A/B for the GPU benches, off by default until measured)
+# time its Triton GEMM templates against cuBLAS for the step's four GEMMs, fusing SiLU and the
+# residual add into a winner; an A/B for the GPU benches, off by default until measured)
 CompileSetting = bool | str
 COMPILE_SETTINGS = (True, False, "auto", "max-autotune")
 KernelSetting = bool | str  # True (required), False (PyTorch only) or "auto" (on GPUs, if they self-check)
@@ -97,6 +97,7 @@ class StaticDecoder:
     # the step's pure functions: plain PyTorch, or torch.compile'd on CUDA
     _qkv_fn: Callable[..., Any]
     _mlp_in_fn: Callable[..., Any]
+    _residual_fn: Callable[..., Any]
     _advance_fn: Callable[..., Any]
 
     def __init__(
@@ -184,6 +185,8 @@ class StaticDecoder:
         if self.compiled:
             self._qkv_fn = torch.compile(layer_qkv, mode=mode)
             self._mlp_in_fn = torch.compile(layer_mlp_in, mode=mode)
+            if mode is not None:  # autotuned, the o and down GEMMs may fuse the residual add too
+                self._residual_fn = torch.compile(residual_linear_, mode=mode)
             self._advance_fn = torch.compile(advance_slots)
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
@@ -196,6 +199,7 @@ class StaticDecoder:
         """The step's pure functions as plain PyTorch (``torch.compile`` wraps them on CUDA)."""
         self._qkv_fn = layer_qkv
         self._mlp_in_fn = layer_mlp_in
+        self._residual_fn = residual_linear_
         self._advance_fn = advance_slots
 
     # ---- kernels ---------------------------------------------------------------------------
@@ -401,7 +405,9 @@ class StaticDecoder:
                 att = att_kernel.rope_attend(qkv, self.cos, self.sin, pos, kc, vc, self.n_heads)
             else:
                 att = kernels.rope_attention_ref(qkv, self.cos, self.sin, pos, kc, vc, self.n_heads, kv_len)
-            x = layer_post_attention(x, att.reshape(nb, self.n_heads * D), post, self.eps, self._mlp_in_fn)
+            x = layer_post_attention(
+                x, att.reshape(nb, self.n_heads * D), post, self.eps, self._mlp_in_fn, self._residual_fn
+            )
         logits = self._head(x)
         tok, lp = self.sample(
             logits, s.temperature[:nb], s.top_p[:nb], s.key[:nb], s.n_gen[:nb], self.any_top_p
@@ -581,15 +587,18 @@ def layer_post_attention(
     weights: tuple[Any, ...],
     eps: float,
     mlp_in: Callable[..., torch.Tensor] = layer_mlp_in,
+    residual: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """o_proj into the residual, then the gated MLP into the residual, both in place on ``x``
-    [..., H] (the caller's residual stream); ``mlp_in`` is ``layer_mlp_in`` or its compiled copy."""
+    [..., H] (the caller's residual stream); ``mlp_in`` and ``residual`` are ``layer_mlp_in`` and
+    ``residual_linear_`` or their compiled copies."""
+    residual = residual or residual_linear_
     w_o, b_o, norm, w_gu, w_down, b_down = weights
-    x = _residual_linear_(x, att, w_o, b_o)
-    return _residual_linear_(x, mlp_in(x, norm, w_gu, eps), w_down, b_down)
+    x = residual(x, att, w_o, b_o)
+    return residual(x, mlp_in(x, norm, w_gu, eps), w_down, b_down)
 
 
-def _residual_linear_(
+def residual_linear_(
     x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
 ) -> torch.Tensor:
     """``x += h @ weight.T (+ bias)`` in place; bias-free, one GEMM with ``x`` as cuBLAS's C operand
