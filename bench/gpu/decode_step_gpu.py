@@ -42,14 +42,17 @@ from rlkube.runtime.models.roofline import decode_step_bytes, decode_step_flops,
 from rlkube.runtime.models.tiny import make_qwen2_like, tiny_qwen2_config  # noqa: E402
 from rlkube.runtime.rollout.hf_decode import StaticDecoder  # noqa: E402
 
-# name -> attention split: positions per program (None: the default policy; "direct": one program
-# per row and KV head, no combine kernel)
-CONFIGS: dict[str, int | str | None] = {
-    "default": None,
-    "direct": "direct",
-    "split128": 128,
-    "split256": 256,
+# name -> (attention split: positions per program, None for the default policy, "direct" for one
+# program per row and KV head and no combine kernel; shared prompt: each group of 8 rows reads its
+# first that many positions from the group's first row, as the samples of one prompt do)
+CONFIGS: dict[str, tuple[int | str | None, int]] = {
+    "default": (None, 0),
+    "direct": ("direct", 0),
+    "split128": (128, 0),
+    "split256": (256, 0),
+    "shared64": (None, 64),
 }
+GROUP = 8
 
 CAPTURE_FAILURE_CHECKS = ("same_tokens", "graphs_off", "graph_error_recorded", "random_ops_work_after")
 
@@ -82,9 +85,12 @@ def time_step(dec: StaticDecoder, rows: int, context: int, steps: int, repeats: 
     return statistics.median(out), first
 
 
-def configure(dec: StaticDecoder, name: str, default_split: Any) -> None:
-    split = CONFIGS[name]
+def configure(dec: StaticDecoder, name: str, default_split: Any, rows: int, context: int) -> None:
+    split, shared = CONFIGS[name]
+    shared = min(shared, context)  # never past a row's position
     dec.drop_graphs()
+    leaders = [r - r % GROUP for r in range(rows)]
+    dec.set_shared_prompts(leaders, [shared if lead != r else 0 for r, lead in enumerate(leaders)])
     att = dec._attention
     if split is None:
         att.split_for = default_split
@@ -126,7 +132,7 @@ def bench(
     res = []
     base = None
     for name in args.configs.split(","):
-        configure(dec, name, default_split)
+        configure(dec, name, default_split, rows, context)
         try:
             t, first_s = time_step(dec, rows, context, args.steps, args.repeats)
         except Exception:

@@ -110,6 +110,7 @@ def rollout_bound(
     read_bytes_per_s: float,
     flops_per_s: float,
     distinct_prompts: int | None = None,
+    prompt_groups: Sequence[int] | None = None,
 ) -> dict[str, float]:
     """Fastest possible time for a batch of samples decoded together, and which bound binds.
 
@@ -117,6 +118,9 @@ def rollout_bound(
     from the prefill, token ``j >= 1`` from a decode step over ``prompt + j`` positions. All start
     together (one batch); a step's live set is every sample still generating. Prefill: one per
     distinct prompt (``distinct_prompts`` of the mean prompt length; default one per sample).
+    With ``prompt_groups`` (a group id per sample, one prompt per group) a step reads each
+    group's prompt K/V once while any of its samples is live, as a kernel that shares it can:
+    a tighter memory bound (the attention FLOPs stay per sample).
     """
     if len(prompt_lens) != len(response_lens) or not response_lens:
         raise ValueError("prompt_lens and response_lens must be non-empty and of equal length")
@@ -124,20 +128,34 @@ def rollout_bound(
     # live[j] and context sums by difference arrays: O(samples + steps)
     live_delta = [0] * (steps + 1)
     ctx_delta = [0] * (steps + 1)  # sum of prompt lengths of the samples live at step j
-    for p, n in zip(prompt_lens, response_lens, strict=True):
+    read_delta = [0] * (steps + 1)  # ... of the prompts read at step j
+    group_end: dict[int, tuple[int, int]] = {}  # group -> (prompt, last step + 1)
+    for i, (p, n) in enumerate(zip(prompt_lens, response_lens, strict=True)):
         if n > 1:
             live_delta[1] += 1
             live_delta[n] -= 1
             ctx_delta[1] += p
             ctx_delta[n] -= p
+            if prompt_groups is None:
+                read_delta[1] += p
+                read_delta[n] -= p
+            else:
+                g = prompt_groups[i]
+                if group_end.get(g, (p, 0))[0] != p:
+                    raise ValueError(f"prompt group {g} has prompts of different lengths")
+                group_end[g] = (p, max(n, group_end.get(g, (p, 0))[1]))
+    for p, end in group_end.values():
+        read_delta[1] += p
+        read_delta[end] -= p
     t_mem = t_flop = t_bound = 0.0
-    live = psum = 0
+    live = psum = rsum = 0
     mem_bound_steps = 0
     for j in range(1, steps):
         live += live_delta[j]
         psum += ctx_delta[j]
+        rsum += read_delta[j]
         ctx = psum + live * j  # positions attended: prompt + j (+ the new token, written)
-        tm = decode_step_bytes(cost, live, ctx) / read_bytes_per_s
+        tm = decode_step_bytes(cost, live, rsum + live * j) / read_bytes_per_s
         tf = decode_step_flops(cost, live, ctx) / flops_per_s
         t_mem += tm
         t_flop += tf

@@ -55,6 +55,7 @@ class _Work:
     slot: int = -1
     max_pos: int = 0  # host-side upper bound of the slot's position
     remaining: int = 0  # host-side upper bound of the decode steps this segment still needs
+    prefill: int = -1  # which prefill wrote its prefix's K/V (samples of one share it)
 
 
 def _key_for(params: SamplingParams, sample_index: int, offset: int, rng: torch.Generator) -> int:
@@ -112,6 +113,7 @@ class HFEngine(ThreadedEngine):
         compile_step: CompileSetting = "auto",
         kernels: KernelSetting = "auto",
         max_stop_ids: int = 8,
+        share_prompt_reads: bool = True,
         seed: int = 0,
         version: int = 0,
         config_overrides: dict[str, Any] | None = None,
@@ -150,6 +152,10 @@ class HFEngine(ThreadedEngine):
         self._init_queue()
         self._waiting: deque[_Work] = deque()
         self._slots: list[_Work | None] = [None] * num_slots
+        # the samples of one prefill read their prompt's K/V from one row (the attention kernel)
+        self.share_prompt_reads = share_prompt_reads
+        self._prefills = 0
+        self._shares_stale = False
         self._pause = 0  # callers waiting for the loop to stop at a sync point
         self._busy = False  # the loop is inside a chunk (touching the decoder)
         self._closed = False
@@ -450,6 +456,7 @@ class HFEngine(ThreadedEngine):
 
     def _apply_moves(self, moves: list[tuple[int, int]]) -> None:
         if moves:
+            self._shares_stale = True
             upto = max(w.max_pos for w in self._slots if w is not None) + 1
             self.decoder.move_rows([a for a, _ in moves], [b for _, b in moves], upto)
 
@@ -465,6 +472,11 @@ class HFEngine(ThreadedEngine):
         prefixes = list(groups)
         logits = d.prefill([list(p) for p in prefixes], [[w.slot for w in groups[p]] for p in prefixes])
         works = [w for p in prefixes for w in groups[p]]
+        for p in prefixes:
+            for w in groups[p]:
+                w.prefill = self._prefills
+            self._prefills += 1
+        self._shares_stale = True
         src = torch.tensor(
             [g for g, p in enumerate(prefixes) for _ in groups[p]], dtype=torch.long, device=dev
         )
@@ -507,6 +519,8 @@ class HFEngine(ThreadedEngine):
         if not active:
             return
         d = self.decoder
+        if self._shares_stale and self.share_prompt_reads:
+            self._share_prompts()
         nb = d.bucket_for(max(w.slot for w in active) + 1)
         steps = min(self.sync_every, max(w.remaining for w in active))
         max_pos = max(w.max_pos for w in active)
@@ -519,6 +533,21 @@ class HFEngine(ThreadedEngine):
         for w in active:
             w.max_pos = min(w.max_pos + done, len(w.prefix) + w.params.max_tokens - 1, d.S - 1)
             w.remaining = max(0, w.remaining - done)
+
+    def _share_prompts(self) -> None:
+        """Point every live sample at the lowest live row filled by the same prefill: rows hold
+        identical copies of that prefix's K/V (prefill wrote them, moves copy them), a live row's
+        prefix is never overwritten, and a freed row is not read before the next call."""
+        live = [w for w in self._slots if w is not None]
+        n = max(w.slot for w in live) + 1
+        share_row, share_len = list(range(n)), [0] * n
+        first: dict[int, _Work] = {}
+        for w in sorted(live, key=lambda w: w.slot):
+            lead = first.setdefault(w.prefill, w)
+            if lead is not w:
+                share_row[w.slot], share_len[w.slot] = lead.slot, len(w.prefix)
+        self.decoder.set_shared_prompts(share_row, share_len)
+        self._shares_stale = False
 
     def _collect_finished(self) -> None:
         slots = [i for i, w in enumerate(self._slots) if w is not None]
@@ -550,6 +579,7 @@ class HFEngine(ThreadedEngine):
             else:
                 w.completion.finish_reason = "stop" if stopped[j] else "length"
             self._slots[slot] = None
+            self._shares_stale = True
             out.append(w.completion)
         return out
 

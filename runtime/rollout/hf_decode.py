@@ -21,7 +21,9 @@ only every few steps.
   when a slot asks for it, adds a sort.
 - **Batched prefill**: one forward for every distinct prompt admitted together (right-padded, so
   plain causal attention is exact for every real position); each prompt's KV goes to all of its
-  samples' slots: one prefill per prompt group, not per sample.
+  samples' slots: one prefill per prompt group, not per sample. The attention kernel reads a
+  group's prompt from one of those rows (``set_shared_prompts``), so its samples do not each read
+  the prompt's K/V from memory.
 
 The forward reuses the HF module's own parameters. q/k/v and gate/up are fused once: the fused
 tensor becomes the storage and the HF modules' weights become views into it, so a weight update
@@ -77,6 +79,8 @@ class SlotState:
     stop_ids: torch.Tensor  # [B, S] int64, -1 padded
     out_tok: torch.Tensor  # [B, T] int64
     out_lp: torch.Tensor  # [B, T] float32
+    share_row: torch.Tensor  # [B] int64 row holding the same K/V as this one below share_len
+    share_len: torch.Tensor  # [B] int64 (0: the row reads only its own K/V)
 
 
 def batch_buckets(num_slots: int) -> list[int]:
@@ -162,6 +166,8 @@ class StaticDecoder:
             stop_ids=torch.full((self.B, max_stop_ids), -1, dtype=torch.long, device=dev),
             out_tok=torch.zeros(self.B, self.T + 1, dtype=torch.long, device=dev),
             out_lp=torch.zeros(self.B, self.T + 1, dtype=torch.float32, device=dev),
+            share_row=torch.arange(self.B, device=dev),
+            share_len=torch.zeros(self.B, dtype=torch.long, device=dev),
         )
         self._rows = torch.arange(self.B, device=dev)
         self.any_top_p = False
@@ -402,7 +408,10 @@ class StaticDecoder:
             kc, vc = self.k_cache[i], self.v_cache[i]
             qkv = self._qkv_fn(x, pre, self.eps)
             if att_kernel is not None:  # RoPE, the K/V write and attention in one kernel
-                att = att_kernel.rope_attend(qkv, self.cos, self.sin, pos, kc, vc, self.n_heads)
+                att = att_kernel.rope_attend(
+                    qkv, self.cos, self.sin, pos, kc, vc, self.n_heads,
+                    share_row=s.share_row[:nb], share_len=s.share_len[:nb],
+                )  # fmt: skip
             else:
                 att = kernels.rope_attention_ref(qkv, self.cos, self.sin, pos, kc, vc, self.n_heads, kv_len)
             x = layer_post_attention(
@@ -416,6 +425,19 @@ class StaticDecoder:
             tok, lp, self._rows[:nb], s.cur_tok[:nb], s.pos[:nb], s.n_gen[:nb], s.max_new[:nb],
             s.running[:nb], s.stopped[:nb], s.stop_ids[:nb], s.out_tok[:nb], s.out_lp[:nb], self.T,
         )  # fmt: skip
+
+    @torch.no_grad()
+    def set_shared_prompts(self, share_row: Sequence[int], share_len: Sequence[int]) -> None:
+        """Tell the attention kernel which rows hold the same prompt K/V: for rows ``r < n``,
+        positions below ``share_len[r]`` are the same as in row ``share_row[r]``, whose position is
+        at least as far; rows ``>= n`` read only their own. A group's samples then read their
+        prompt from one copy. Call between steps after rows are admitted, moved or freed; the
+        PyTorch path (no kernel) reads each row's own copy, which holds the same values."""
+        n, s = len(share_row), self.state
+        if len(share_len) != n or n > self.B:
+            raise ValueError(f"share_row and share_len must have the same length <= {self.B} rows")
+        s.share_row.copy_(torch.cat([torch.tensor(share_row, dtype=torch.long), torch.arange(n, self.B)]))
+        s.share_len.copy_(torch.tensor([*share_len, *[0] * (self.B - n)], dtype=torch.long))
 
     @torch.no_grad()
     def decode(self, nb: int, kv_len: int = 0) -> None:

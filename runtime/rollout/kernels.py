@@ -217,6 +217,8 @@ if HAVE_TRITON:
         COS,
         SIN,
         POS,
+        SHARE_ROW,
+        SHARE_LEN,
         K,
         V,
         O_PART,
@@ -244,10 +246,13 @@ if HAVE_TRITON:
         D: tl.constexpr,
         IEEE: tl.constexpr,
         DIRECT: tl.constexpr,
+        SHARE: tl.constexpr,
     ):
         """One (row, KV head, split) program: RoPE on q and the new k, the new k and v written at
         the row's position ``POS`` (by the split holding it), attention over the cached positions
-        of the split before it plus, in that split, the new token from registers."""
+        of the split before it plus, in that split, the new token from registers. With ``SHARE``,
+        positions below ``SHARE_LEN`` (rounded down to a block) are read from row ``SHARE_ROW``,
+        which holds the same prompt: a group's samples read their prompt's KV from one copy."""
         b = tl.program_id(0)
         h = tl.program_id(1)
         sp = tl.program_id(2)
@@ -268,8 +273,18 @@ if HAVE_TRITON:
             q = tl.load(row + qcol + offs_d[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
             q_p = tl.load(row + qcol + (offs_d[None, :] + D // 2) % D, mask=gmask[:, None], other=0.0)
             q = (q * c[None, :] + q_p.to(tl.float32) * sn[None, :]).to(K.dtype.element_ty)
+            end = tl.minimum(start + SPLIT, pos)
+            own = start
+            if SHARE:  # block-aligned, so the blocks and the sums are the same as reading the row's own copy
+                src = tl.load(SHARE_ROW + b)
+                shared_end = tl.load(SHARE_LEN + b).to(tl.int32) // BLOCK_N * BLOCK_N
+                own = tl.minimum(tl.maximum(shared_end, start), end)
+                m_i, l_i, acc = _attend(
+                    q, K + src * sk_b + h * sk_h, V + src * sv_b + h * sv_h, start, own,
+                    sk_s, sv_s, m_i, l_i, acc, scale, BLOCK_N, D, IEEE,
+                )  # fmt: skip
             m_i, l_i, acc = _attend(
-                q, K + b * sk_b + h * sk_h, V + b * sv_b + h * sv_h, start, tl.minimum(start + SPLIT, pos),
+                q, K + b * sk_b + h * sk_h, V + b * sv_b + h * sv_h, own, end,
                 sk_s, sv_s, m_i, l_i, acc, scale, BLOCK_N, D, IEEE,
             )  # fmt: skip
             if pos < start + SPLIT:  # this split holds the new token: store its k, v and attend to it
@@ -467,10 +482,17 @@ class TritonDecodeAttention:
         v_cache: torch.Tensor,
         n_heads: int,
         split: int | None = None,
+        share_row: torch.Tensor | None = None,
+        share_len: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``rope_attention_ref`` in one kernel (plus the combine): from the projection output
         ``qkv`` [B, (H + 2 Hkv) D] and the ``[S, D]`` RoPE tables to the attention output
-        [B, Hkv, G, D]; the new k and v land in the caches at ``pos``."""
+        [B, Hkv, G, D]; the new k and v land in the caches at ``pos``.
+
+        ``share_row`` / ``share_len`` [B] (optional, together): row ``b``'s positions below
+        ``share_len[b]`` (<= ``pos[b]``) hold the same K/V in row ``share_row[b]``, whose own
+        ``pos`` is at least as far; they are read from there, so the rows of a group that point
+        at one row read its prompt from one copy (the rest come from the cache, not memory)."""
         b, g, d, n_kv = qkv.shape[0], self.group, self.d, self.n_kv
         assert qkv.stride(-1) == 1 and cos.is_contiguous() and signed_sin.is_contiguous()
         assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and k_cache.shape[2] <= self.max_seq
@@ -479,15 +501,19 @@ class TritonDecodeAttention:
         n_splits = math.ceil(self.max_seq / split)
         assert b * n_kv * n_splits * self.block_g <= self.m_part.numel()
         out = torch.empty((b, n_kv, g, d), dtype=qkv.dtype, device=qkv.device)
+        share = share_row is not None
+        if share != (share_len is not None):
+            raise ValueError("pass share_row and share_len together")
         _rope_attn_split_kernel[(b, n_kv, n_splits)](
-            qkv, cos, signed_sin, pos, k_cache, v_cache, self.o_part, self.m_part, self.l_part, out,
+            qkv, cos, signed_sin, pos, share_row if share else pos, share_len if share else pos,
+            k_cache, v_cache, self.o_part, self.m_part, self.l_part, out,
             qkv.stride(0), cos.stride(0),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
             out.stride(0), out.stride(1), out.stride(2),
             n_splits, g, 1.0 / math.sqrt(d),
             N_HEADS=n_heads, SPLIT=split, BLOCK_N=self.block_n, BLOCK_G=self.block_g, D=d,
-            IEEE=qkv.dtype == torch.float32, DIRECT=n_splits == 1,
+            IEEE=qkv.dtype == torch.float32, DIRECT=n_splits == 1, SHARE=share,
         )  # fmt: skip
         return self._combine(out, pos, n_splits, split)
 
@@ -561,17 +587,36 @@ def self_check(kind: str, fn: Any, device: torch.device, **shape: Any) -> str | 
             pos = torch.cat([edges, torch.randint(0, s, (max(0, rows - 4),), generator=g)]).to(device)
             kc = torch.randn(rows, n_kv, s, d, generator=g).to(device, dtype)
             vc = torch.randn(rows, n_kv, s, d, generator=g).to(device, dtype)
+            # shared prompts: rows 1.. hold row 0's K/V below their position (row 0 is furthest
+            # along) and read it from there; their own copy of the shared blocks is NaN, so
+            # reading it instead shows
+            share_row = torch.zeros(rows, dtype=torch.long, device=device)
+            share_len = pos.clone()
+            share_len[0] = 0
+            for r in range(1, rows):
+                n = int(pos[r])
+                kc[r, :, :n], vc[r, :, :n] = kc[0, :, :n], vc[0, :, :n]
             wk, wv = kc.clone(), vc.clone()
             want = rope_attention_ref(qkv, cos, ssin, pos, wk, wv, n_heads).float()
             tol = 2e-2 if dtype != torch.float32 else 1e-4
             for split in (None, 64, fn.max_seq):  # this row count's split, the smallest, one split
-                gk, gv = kc.clone(), vc.clone()
-                got = fn.rope_attend(qkv, cos, ssin, pos, gk, gv, n_heads, split=split).float()
-                err = float((got - want).norm() / want.norm())
-                cache_err = max(float((a.float() - b.float()).abs().max()) for a, b in ((gk, wk), (gv, wv)))
-                if not (err < tol and cache_err < 4 * tol):
-                    why = f"error {err:.3g}, cache error {cache_err:.3g}"
-                    return f"rope attention kernel (split {split}): {why}"
+                for shared in (False, True):
+                    gk, gv = kc.clone(), vc.clone()
+                    hidden = [
+                        int(pos[r]) // fn.block_n * fn.block_n if shared and r else 0 for r in range(rows)
+                    ]
+                    for r, n in enumerate(hidden):
+                        gk[r, :, :n], gv[r, :, :n] = float("nan"), float("nan")
+                    extra = {"share_row": share_row, "share_len": share_len} if shared else {}
+                    got = fn.rope_attend(qkv, cos, ssin, pos, gk, gv, n_heads, split=split, **extra).float()
+                    for r, n in enumerate(hidden):
+                        gk[r, :, :n], gv[r, :, :n] = wk[r, :, :n], wv[r, :, :n]
+                    err = float((got - want).norm() / want.norm())
+                    pairs = ((gk, wk), (gv, wv))
+                    cache_err = max(float((a.float() - b.float()).abs().max()) for a, b in pairs)
+                    if not (err < tol and cache_err < 4 * tol):
+                        why = f"error {err:.3g}, cache error {cache_err:.3g}"
+                        return f"rope attention kernel (split {split}, shared prompts {shared}): {why}"
             return None
         if kind == "sample":
             rows, vocab, dtype = shape["rows"], shape["vocab"], shape["dtype"]

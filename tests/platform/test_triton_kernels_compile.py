@@ -39,16 +39,17 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     attn_ptrs = {
         **dict.fromkeys(("QKV", "COS", "SIN", "K", "V", "OUT"), "*bf16"),
         **dict.fromkeys(("O_PART", "M_PART", "L_PART"), "*fp32"),
-        "POS": "*i64",
+        **dict.fromkeys(("POS", "SHARE_ROW", "SHARE_LEN"), "*i64"),
         "scale": F32,
     }
     # Qwen2.5-0.5B: 14 query heads on 2 KV heads of 64; 1.5B: 12 on 2 of 128
     for n_heads, d in ((14, 64), (12, 128)):
-        for direct in (False, True):
-            consts = dict(N_HEADS=n_heads, SPLIT=64, BLOCK_N=64, BLOCK_G=16, D=d, IEEE=False, DIRECT=direct)
-            out.append(
-                (f"rope attention D={d} direct={direct}", decode._rope_attn_split_kernel, attn_ptrs, consts)
+        for direct, share in ((False, False), (False, True), (True, True)):
+            consts = dict(
+                N_HEADS=n_heads, SPLIT=64, BLOCK_N=64, BLOCK_G=16, D=d, IEEE=False, DIRECT=direct, SHARE=share
             )
+            name = f"rope attention D={d} direct={direct} share={share}"
+            out.append((name, decode._rope_attn_split_kernel, attn_ptrs, consts))
         combine_ptrs = {
             **dict.fromkeys(("O_PART", "M_PART", "L_PART"), "*fp32"),
             "POS": "*i64",

@@ -197,6 +197,56 @@ ENGINE_SCRIPT = textwrap.dedent(
     """
 )
 
+# Two prompts past one 64-position block (so a group really shares), one prefill each. Prompt A's
+# first sample (the group's lowest row, which the others read) stops after 2 tokens while its 3
+# siblings go on; its row is then refilled with prompt B (8 samples, 6 slots), whose K/V differs,
+# so followers still reading that row would decode other tokens.
+SHARE_SCRIPT = textwrap.dedent(
+    """
+    import json, torch
+    from transformers import AutoModelForCausalLM
+    from rlkube.runtime.models.tiny import tiny_qwen2_config
+    from rlkube.runtime.rollout.hf import HFEngine
+    from rlkube.runtime.rollout.base import RolloutRequest, SamplingParams
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_qwen2_config(40, hidden_size=128, num_heads=2)).eval()
+    a = [1 + (7 * i) % 37 for i in range(70)]
+    b = [2 + (5 * i) % 31 for i in range(131)]
+    reqs = [RolloutRequest("a_short", a, SamplingParams(n=1, max_tokens=2, seed=1)),
+            RolloutRequest("a_long", a, SamplingParams(n=3, max_tokens=10, seed=2)),
+            RolloutRequest("b", b, SamplingParams(n=4, max_tokens=6, seed=3))]
+    out, calls = {}, []
+    for share in (False, True):
+        with HFEngine(model=model, num_slots=6, max_seq_len=160, kernels=True, sync_every=2,
+                      share_prompt_reads=share) as eng:
+            setter = eng.decoder.set_shared_prompts
+            def spy(rows, lens, setter=setter):
+                calls.append((list(rows), list(lens)))
+                setter(rows, lens)
+            eng.decoder.set_shared_prompts = spy
+            out[share] = eng.generate(reqs)
+            used = eng.decoder.kernels_used
+    same = [c.token_ids for c in out[False]] == [c.token_ids for c in out[True]]
+    lp_same = all(p.logprobs == q.logprobs for p, q in zip(out[False], out[True]))
+    print(json.dumps({"kernels": used, "same_tokens": same, "same_logprobs": lp_same, "calls": calls}))
+    """
+)
+
+
+def test_the_samples_of_a_prompt_read_its_kv_from_one_row_and_decode_exactly_the_same(
+    triton_interpret: Callable[[str], dict[str, Any]],
+) -> None:
+    """Prompt sharing in the attention kernel (interpreter): the same tokens and bitwise the same
+    logprobs as every row reading its own copy, while the group's first row stops and is reused."""
+    out = triton_interpret(SHARE_SCRIPT)
+    assert out["kernels"]["attention"] == "triton"
+    assert out["same_tokens"] and out["same_logprobs"]
+    calls = [(rows, lens) for rows, lens in out["calls"]]
+    # first: A's samples in rows 0-3 read row 0 (70 positions); B's first two in rows 4-5 read row 4
+    assert calls[0] == ([0, 0, 0, 0, 4, 4], [0, 70, 70, 70, 0, 131])
+    # row 0 stopped and took B's third sample (another prefill: it reads its own); A's others read row 1
+    assert calls[1] == ([0, 1, 1, 1, 4, 4], [0, 0, 70, 70, 0, 131])
+
 
 def test_triton_kernels_match_their_references_in_the_interpreter(
     triton_interpret: Callable[[str], dict[str, Any]],

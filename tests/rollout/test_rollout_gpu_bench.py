@@ -64,7 +64,8 @@ def test_rollout_gpu_bench_smoke_without_rlkube_install_or_pydantic(tmp_path: Pa
         r = res[shape]
         assert r["batch"] == batch and r["tokens"] == r["bound"]["tokens"]
         assert r["logprob_max_abs_err_vs_teacher_forced"] < 1e-4  # fp32 on the CPU
-        assert 0 < r["fraction_of_bound"] < 1
+        assert 0 < r["fraction_of_unique_read_bound"] < r["fraction_of_bound"] < 1  # a lower bound time
+        assert r["share_prompt_reads"] is True
         assert r["kernels"] == {"attention": "sdpa", "sampling": "torch"}  # the CPU path
     rl = res["rl"]
     assert rl["response_len"]["min"] < rl["response_len"]["max"]  # drawn lengths
@@ -79,8 +80,9 @@ def test_decode_step_bench_times_each_attention_split_with_the_triton_kernels(tm
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "decode-step-gpu.json").read_text())
     by_config = {r["config"]: r for r in report["results"]}
-    assert set(by_config) == {"default", "direct", "split128", "split256"}
-    assert [by_config[c]["split"] for c in ("default", "split128", "split256")] == [64, 128, 256]
+    assert set(by_config) == {"default", "direct", "split128", "split256", "shared64"}
+    splits = [by_config[c]["split"] for c in ("default", "split128", "split256", "shared64")]
+    assert splits == [64, 128, 256, 64]
     assert by_config["direct"]["split"] == 128  # the whole (128-position) cache in one program
     assert all(0 < r["fraction_of_bound"] < 1 and r["step_ms"] > 0 for r in report["results"])
     assert [r["sampler"] for r in report["sampler"]] == ["normal", "zipf"]

@@ -44,6 +44,31 @@ def test_rollout_bound_of_equal_lengths_is_the_closed_form() -> None:
     assert b["bound_tokens_per_s"] < n / (cost.weight_bytes_per_step / bw)
 
 
+def test_a_shared_prompt_is_read_once_per_group_while_any_sample_lives() -> None:
+    cost = model_cost(qwen2_like_config("0.5b"))
+    bw, flops = 4e12, 800e12
+    n, p, t = 64, 64, 256
+    groups = [i // 8 for i in range(n)]
+    b = rollout_bound(cost, [p] * n, [t] * n, bw, flops, distinct_prompts=8, prompt_groups=groups)
+    want = 0.0
+    for j in range(1, t):
+        read = decode_step_bytes(cost, n, n // 8 * p + n * j) / bw  # 8 prompts, 64 own parts
+        want += max(read, decode_step_flops(cost, n, n * (p + j)) / flops)  # attention: per sample
+    assert b["bound_seconds"] == pytest.approx(want + b["prefill_seconds"])
+    assert b["bound_seconds"] < rollout_bound(cost, [p] * n, [t] * n, bw, flops, 8)["bound_seconds"]
+    # a group's prompt is read until its last sample stops; the short sample adds only its own
+    # part, its new K/V and its logits, for its 9 steps
+    short = rollout_bound(cost, [p] * 2, [50, 10], bw, flops, prompt_groups=[0, 0])
+    alone = rollout_bound(cost, [p], [50], bw, flops)
+    assert short["memory_seconds"] == pytest.approx(
+        alone["memory_seconds"]
+        + 9 * (decode_step_bytes(cost, 1, 0) - decode_step_bytes(cost, 0, 0)) / bw
+        + sum(cost.kv_bytes_per_token * j for j in range(1, 10)) / bw
+    )
+    with pytest.raises(ValueError, match="prompt group 0 has prompts of different lengths"):
+        rollout_bound(cost, [p, p + 1], [t, t], bw, flops, prompt_groups=[0, 0])
+
+
 def test_samples_that_finish_early_leave_the_live_batch() -> None:
     cost = model_cost(qwen2_like_config("0.5b"))
     long_only = rollout_bound(cost, [64] * 2, [100, 100], 4e12, 800e12)
