@@ -519,7 +519,7 @@ class HFEngine(ThreadedEngine):
         if not active:
             return
         d = self.decoder
-        if self._shares_stale and self.share_prompt_reads:
+        if self._shares_stale:
             self._share_prompts()
         nb = d.bucket_for(max(w.slot for w in active) + 1)
         steps = min(self.sync_every, max(w.remaining for w in active))
@@ -537,9 +537,10 @@ class HFEngine(ThreadedEngine):
     def _share_prompts(self) -> None:
         """Point every live sample at the lowest live row filled by the same prefill: rows hold
         identical copies of that prefix's K/V (prefill wrote them, moves copy them), a live row's
-        prefix is never overwritten, and a freed row is not read before the next call."""
-        live = [w for w in self._slots if w is not None]
-        n = max(w.slot for w in live) + 1
+        prefix is never overwritten, and a freed row is not read before the next call. With
+        ``share_prompt_reads`` off, every row reads its own."""
+        live = [w for w in self._slots if w is not None] if self.share_prompt_reads else []
+        n = max((w.slot for w in live), default=-1) + 1
         share_row, share_len = list(range(n)), [0] * n
         first: dict[int, _Work] = {}
         for w in sorted(live, key=lambda w: w.slot):
