@@ -215,20 +215,21 @@ SHARE_SCRIPT = textwrap.dedent(
     reqs = [RolloutRequest("a_short", a, SamplingParams(n=1, max_tokens=2, seed=1)),
             RolloutRequest("a_long", a, SamplingParams(n=3, max_tokens=10, seed=2)),
             RolloutRequest("b", b, SamplingParams(n=4, max_tokens=6, seed=3))]
-    out, calls = {}, []
+    out, calls = {}, {False: [], True: []}
     for share in (False, True):
         with HFEngine(model=model, num_slots=6, max_seq_len=160, kernels=True, sync_every=2,
                       share_prompt_reads=share) as eng:
             setter = eng.decoder.set_shared_prompts
-            def spy(rows, lens, setter=setter):
-                calls.append((list(rows), list(lens)))
+            def spy(rows, lens, setter=setter, share=share):
+                calls[share].append((list(rows), list(lens)))
                 setter(rows, lens)
             eng.decoder.set_shared_prompts = spy
             out[share] = eng.generate(reqs)
             used = eng.decoder.kernels_used
     same = [c.token_ids for c in out[False]] == [c.token_ids for c in out[True]]
     lp_same = all(p.logprobs == q.logprobs for p, q in zip(out[False], out[True]))
-    print(json.dumps({"kernels": used, "same_tokens": same, "same_logprobs": lp_same, "calls": calls}))
+    print(json.dumps({"kernels": used, "same_tokens": same, "same_logprobs": lp_same,
+                      "calls": calls[True], "calls_off": calls[False]}))
     """
 )
 
@@ -242,6 +243,7 @@ def test_the_samples_of_a_prompt_read_its_kv_from_one_row_and_decode_exactly_the
     assert out["kernels"]["attention"] == "triton"
     assert out["same_tokens"] and out["same_logprobs"]
     calls = [(rows, lens) for rows, lens in out["calls"]]
+    assert out["calls_off"] and all(rows == lens == [] for rows, lens in out["calls_off"])  # off: own K/V
     # first: A's samples in rows 0-3 read row 0 (70 positions); B's first two in rows 4-5 read row 4
     assert calls[0] == ([0, 0, 0, 0, 4, 4], [0, 70, 70, 70, 0, 131])
     # row 0 stopped and took B's third sample (another prefill: it reads its own); A's others read row 1
