@@ -429,8 +429,9 @@ class StaticDecoder:
     @torch.no_grad()
     def set_shared_prompts(self, share_row: Sequence[int], share_len: Sequence[int]) -> None:
         """Tell the attention kernel which rows hold the same prompt K/V: for rows ``r < n``,
-        positions below ``share_len[r]`` are the same as in row ``share_row[r]``, whose position is
-        at least as far; rows ``>= n`` read only their own. A group's samples then read their
+        positions below ``share_len[r]`` (at most its position) are the same as in row
+        ``share_row[r]``, whose own position is at least ``share_len[r]`` (so no step writes
+        there); rows ``>= n`` read only their own. A group's samples then read their
         prompt from one copy. Call between steps after rows are admitted, moved or freed; the
         PyTorch path (no kernel) reads each row's own copy, which holds the same values."""
         n, s = len(share_row), self.state

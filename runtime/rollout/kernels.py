@@ -491,8 +491,9 @@ class TritonDecodeAttention:
 
         ``share_row`` / ``share_len`` [B] (optional, together): row ``b``'s positions below
         ``share_len[b]`` (<= ``pos[b]``) hold the same K/V in row ``share_row[b]``, whose own
-        ``pos`` is at least as far; they are read from there, so the rows of a group that point
-        at one row read its prompt from one copy (the rest come from the cache, not memory)."""
+        ``pos`` is at least ``share_len[b]`` (no program writes there); they are read from there,
+        so the rows of a group that point at one row read its prompt from one copy (the rest come
+        from the cache, not memory)."""
         b, g, d, n_kv = qkv.shape[0], self.group, self.d, self.n_kv
         assert qkv.stride(-1) == 1 and cos.is_contiguous() and signed_sin.is_contiguous()
         assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and k_cache.shape[2] <= self.max_seq
