@@ -10,12 +10,15 @@ no combine kernel). Random-init Qwen2 with Qwen2.5-0.5B / 1.5B shapes, bf16.
     python bench/gpu/decode_step_gpu.py --compile auto,max-autotune --configs default   # GEMM autotune A/B
     TRITON_INTERPRET=1 python bench/gpu/decode_step_gpu.py --smoke   # CPU, tiny shapes (tested in CI)
 
-Writes JSON to stdout and to ``$OUT/decode-step-gpu.json`` when ``$OUT`` is set; each entry has the
-step time (median of ``--repeats`` timings of ``--steps`` replays), its fraction of the step's
-bound (``roofline.decode_step_bytes`` / ``decode_step_flops`` against the read bandwidth and GEMM
-rate measured in the same run, as ``rollout_gpu.py``) and the ratio to the first configuration of
-the same shape; then the sampling kernel alone on random-normal and on Zipf-shaped logits (what
-its block skipping saves on a trained model's logits).
+Writes JSON to stdout and to ``$OUT/decode-step-gpu.json`` when ``$OUT`` is set (rewritten after
+every part, so a run cut short keeps what it measured). First the quick parts: the sampling kernel
+alone on random-normal and on Zipf-shaped logits (what its block skipping saves on a trained
+model's logits) and a graph capture that CUDA aborts (the engine must decode on and leave the
+device's random numbers usable). Then each entry has the step time (median of ``--repeats``
+timings of ``--steps`` replays), its fraction of the step's bound (``roofline.decode_step_bytes`` /
+``decode_step_flops`` against the read bandwidth and GEMM rate measured in the same run, as
+``rollout_gpu.py``), the ratio to the first configuration of the same shape and, with several
+``--compile`` settings, to the first setting.
 """
 
 from __future__ import annotations
@@ -270,20 +273,14 @@ def main(argv: list[str] | None = None) -> int:
         **common.run_info(dev, ceil, args),
         "results": [],
     }
-    for size in args.sizes.split(","):
-        for rows in (int(r) for r in args.rows.split(",")):
-            for setting in args.compile.split(","):
-                report["results"] += bench(
-                    size, rows, args.context, setting, args,
-                    ceil["read_bandwidth_gbs"] * 1e9, ceil["gemm_tflops"] * 1e12,
-                )  # fmt: skip
-    first_setting = args.compile.split(",")[0]
-    ok = [r for r in report["results"] if "error" not in r]
-    timed = {(r["size"], r["rows"], r["config"], r["compile"]): r for r in ok}
-    for (size, rows, config, _setting), r in timed.items():
-        ref = timed.get((size, rows, config, first_setting))
-        if ref is not None:  # the same step under the first compile setting, in this run
-            r["speedup_vs_first_compile"] = ref["step_ms"] / r["step_ms"]
+    out_dir = os.environ.get("OUT")
+
+    def save() -> None:  # after every part, so a run cut short still leaves what it measured
+        if out_dir:
+            Path(out_dir).mkdir(parents=True, exist_ok=True)
+            (Path(out_dir) / "decode-step-gpu.json").write_text(json.dumps(report, indent=2) + "\n")
+
+    # the quick parts first
     vocab = 4096 if args.smoke else 151936  # Qwen2.5's
     report["sampler"] = [
         r
@@ -291,9 +288,22 @@ def main(argv: list[str] | None = None) -> int:
         for r in bench_sampler(rows, vocab, dev, ceil["read_bandwidth_gbs"] * 1e9, args.repeats)
     ]
     report["capture_failure"] = capture_failure_check(dev)
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"]).mkdir(parents=True, exist_ok=True)
-        (Path(os.environ["OUT"]) / "decode-step-gpu.json").write_text(json.dumps(report, indent=2) + "\n")
+    save()
+    first_setting = args.compile.split(",")[0]
+    for size in args.sizes.split(","):
+        for rows in (int(r) for r in args.rows.split(",")):
+            for setting in args.compile.split(","):
+                report["results"] += bench(
+                    size, rows, args.context, setting, args,
+                    ceil["read_bandwidth_gbs"] * 1e9, ceil["gemm_tflops"] * 1e12,
+                )  # fmt: skip
+                ok = [r for r in report["results"] if "error" not in r]
+                timed = {(r["size"], r["rows"], r["config"], r["compile"]): r for r in ok}
+                for (sz, nr, config, _setting), r in timed.items():
+                    ref = timed.get((sz, nr, config, first_setting))
+                    if ref is not None:  # the same step under the first compile setting, in this run
+                        r["speedup_vs_first_compile"] = ref["step_ms"] / r["step_ms"]
+                save()
     for r in report["results"]:
         if "error" in r:
             print(f"{r['size']:>5} rows {r['rows']:>4} {r['compile']:<12} {r['config']:<10} {r['error']}")

@@ -86,6 +86,7 @@ def test_decode_step_bench_times_each_attention_split_with_the_triton_kernels(tm
     assert by_config["direct"]["split"] == 128  # the whole (128-position) cache in one program
     assert all(0 < r["fraction_of_bound"] < 1 and r["step_ms"] > 0 for r in report["results"])
     assert [r["sampler"] for r in report["sampler"]] == ["normal", "zipf"]
+    assert report["capture_failure"] == {"ran": False, "why": "needs a CUDA or ROCm device"}
     assert all(r["us"] > 0 and 0 < r["fraction_of_read_bound"] < 1 for r in report["sampler"])
 
 
