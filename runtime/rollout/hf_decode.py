@@ -474,7 +474,7 @@ class StaticDecoder:
             self._restore(snap)
             self.compiled = False
             self._use_eager_functions()
-            self._graphs.clear()
+            self.drop_graphs()
             self._decode_step(nb, kv_len)
 
     def _capture(self, nb: int, kv_len: int) -> torch.cuda.CUDAGraph | None:
@@ -505,7 +505,7 @@ class StaticDecoder:
             self.graph_error = traceback.format_exc()
             log.warning("decode step graph capture failed; decoding without graphs:\n%s", self.graph_error)
             self.use_graphs = False
-            self._graphs.clear()
+            self.drop_graphs()
             return None
         finally:
             self._restore(snap)
@@ -535,8 +535,12 @@ class StaticDecoder:
         self.state.running[s_idx] = False
 
     def drop_graphs(self) -> None:
-        """Forget captured graphs (e.g. after the cache or weights were reallocated)."""
+        """Forget captured graphs (e.g. after the cache or weights were reallocated), and their
+        memory pool: once its last graph is gone torch frees the pool, and a capture into the old
+        handle fails ("use_count > 0 INTERNAL ASSERT FAILED", torch 2.11 on the H200), which
+        would leave the engine decoding without graphs, several times slower."""
         self._graphs.clear()
+        self._pool = None
 
 
 def release_rng_after_failed_capture(device: torch.device) -> None:
