@@ -69,7 +69,7 @@ def time_step(dec: StaticDecoder, rows: int, context: int, steps: int, repeats: 
     s.n_gen[:rows] = 0
     s.max_new[:rows] = dec.T
     s.temperature[:rows] = 1.0
-    snap = {k: v.clone() for k, v in vars(s).items()}
+    snap = dec._snapshot()
     common.sync(dec.device)
     t = time.perf_counter()
     dec.decode(rows)  # capture (and compile) outside the timings
@@ -77,8 +77,7 @@ def time_step(dec: StaticDecoder, rows: int, context: int, steps: int, repeats: 
     first = time.perf_counter() - t
     out = []
     for _ in range(repeats):
-        for k, v in snap.items():
-            getattr(s, k).copy_(v)
+        dec._restore(snap)
         common.sync(dec.device)
         t = time.perf_counter()
         for _ in range(steps):
