@@ -141,9 +141,10 @@ def rollout_bound(
                 read_delta[n] -= p
             else:
                 g = prompt_groups[i]
-                if group_end.get(g, (p, 0))[0] != p:
+                group_p, group_n = group_end.get(g, (p, 0))
+                if group_p != p:
                     raise ValueError(f"prompt group {g} has prompts of different lengths")
-                group_end[g] = (p, max(n, group_end.get(g, (p, 0))[1]))
+                group_end[g] = (p, max(n, group_n))
     for p, end in group_end.values():
         read_delta[1] += p
         read_delta[end] -= p
