@@ -12,8 +12,8 @@ no combine kernel). Random-init Qwen2 with Qwen2.5-0.5B / 1.5B shapes, bf16.
 
 Writes JSON to stdout and to ``$OUT/decode-step-gpu.json`` when ``$OUT`` is set (rewritten after
 every part, so a run cut short keeps what it measured). First the quick parts: the sampling kernel
-alone on random-normal and on Zipf-shaped logits (what its block skipping saves on a trained
-model's logits) and a graph capture that CUDA aborts (the engine must decode on and leave the
+alone, each of its settings on the same random-normal and Zipf-shaped logits (what its block
+skipping and its screen save on a trained model's logits), and a graph capture that CUDA aborts (the engine must decode on and leave the
 device's random numbers usable). Then each entry has the step time (median of ``--repeats``
 timings of ``--steps`` replays), its fraction of the step's bound (``roofline.decode_step_bytes`` /
 ``decode_step_flops`` against the read bandwidth and GEMM rate measured in the same run, as
@@ -159,12 +159,21 @@ def bench(
     return res
 
 
+# the sampling kernel's settings timed side by side (same logits, same run)
+SAMPLER_VARIANTS: dict[str, dict[str, Any]] = {
+    "screen": {},
+    "no-screen": {"screen": False},
+    "screen-chunk16k": {"chunk": 16384},
+}
+
+
 def bench_sampler(
-    rows: int, vocab: int, dev: torch.device, read_bps: float, repeats: int
+    rows: int, vocab: int, dev: torch.device, read_bps: float, repeats: int, calls: int = 20
 ) -> list[dict[str, Any]]:
-    """The sampling kernel alone on random-normal logits (a random-init model's: nothing to skip) and
-    on Zipf-shaped ones (a trained model's: most vocabulary blocks cannot win), against the read of
-    the bf16 logits it needs."""
+    """The sampling kernel alone, each setting of SAMPLER_VARIANTS on the same logits, against the
+    read of the bf16 logits it needs. Logits: random normal (a random-init model's), Zipf with
+    exponent 1 (a heavy tail) and 2 (a trained model's peak). ``calls`` back-to-back calls per
+    timing, so launch latency is not what is measured."""
     from rlkube.runtime.rollout import kernels
 
     g = torch.Generator().manual_seed(0)
@@ -172,33 +181,36 @@ def bench_sampler(
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
     shapes = {
         "normal": torch.randn(rows, vocab, generator=g) * 3,
-        "zipf": (-2.0 * rank.log()).expand(rows, -1).clone(),
+        "zipf1": (-1.0 * rank.log()).expand(rows, -1).clone(),
+        "zipf2": (-2.0 * rank.log()).expand(rows, -1).clone(),
     }
-    sampler = kernels.TritonSampler(rows, vocab, dev)
+    samplers = {name: kernels.TritonSampler(rows, vocab, dev, **kw) for name, kw in SAMPLER_VARIANTS.items()}
     temp = torch.ones(rows, device=dev)
     seeds = kernels.row_seeds(torch.arange(rows), torch.zeros(rows, dtype=torch.long)).to(dev)
     out = []
-    for name, logits in shapes.items():
+    for shape, logits in shapes.items():
         x = logits.to(dev, dtype)
-        times = []
-        for _ in range(repeats + 1):  # the first call compiles
-            common.sync(dev)
-            t = time.perf_counter()
-            sampler(x, temp, seeds)
-            common.sync(dev)
-            times.append(time.perf_counter() - t)
-        t = statistics.median(times[1:])
-        bound = x.numel() * x.element_size() / read_bps
-        out.append(
-            {
-                "sampler": name,
-                "rows": rows,
-                "vocab": vocab,
-                "us": 1e6 * t,
-                "fraction_of_read_bound": bound / t,
-            }
-        )
-        print(json.dumps(out[-1]), flush=True)
+        want = None
+        for name, sampler in samplers.items():
+            tok, _ = sampler(x, temp, seeds)  # compiles
+            same = want is None or bool((tok == want).all())
+            want = tok if want is None else want
+            times = []
+            for _ in range(repeats):
+                common.sync(dev)
+                t = time.perf_counter()
+                for _ in range(calls):
+                    sampler(x, temp, seeds)
+                common.sync(dev)
+                times.append((time.perf_counter() - t) / calls)
+            t = statistics.median(times)
+            bound = x.numel() * x.element_size() / read_bps
+            out.append({
+                "sampler": shape, "variant": name, "rows": rows, "vocab": vocab, "us": 1e6 * t,
+                "us_range": [1e6 * min(times), 1e6 * max(times)], "fraction_of_read_bound": bound / t,
+                "same_tokens_as_first_variant": same,
+            })  # fmt: skip
+            print(json.dumps(out[-1]), flush=True)
     return out
 
 
@@ -286,7 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     report["sampler"] = [
         r
         for rows in (int(r) for r in args.rows.split(","))
-        for r in bench_sampler(rows, vocab, dev, ceil["read_bandwidth_gbs"] * 1e9, args.repeats)
+        for r in bench_sampler(
+            rows, vocab, dev, ceil["read_bandwidth_gbs"] * 1e9, args.repeats, calls=1 if args.smoke else 20
+        )
     ]
     report["capture_failure"] = (
         capture_failure_check(dev) if args.capture_check else {"ran": False, "why": "--no-capture-check"}
@@ -318,13 +332,15 @@ def main(argv: list[str] | None = None) -> int:
             )
     for r in report["sampler"]:
         print(
-            f"sampler {r['sampler']:<7} rows {r['rows']:>4}: {r['us']:8.1f} us, "
+            f"sampler {r['sampler']:<7} {r['variant']:<16} rows {r['rows']:>4}: {r['us']:8.1f} us, "
             f"{100 * r['fraction_of_read_bound']:5.1f}% of the logits' read bound"
+            + ("" if r["same_tokens_as_first_variant"] else "  DIFFERENT TOKENS")
         )
     cf = report["capture_failure"]
     recovered = not cf["ran"] or all(cf[k] for k in CAPTURE_FAILURE_CHECKS)
     print(f"aborted graph capture: {'recovers' if recovered else 'DOES NOT RECOVER'} {cf}")
-    return 1 if any("error" in r for r in report["results"]) or not recovered else 0
+    differ = any(not r["same_tokens_as_first_variant"] for r in report["sampler"])
+    return 1 if any("error" in r for r in report["results"]) or not recovered or differ else 0
 
 
 if __name__ == "__main__":

@@ -18,8 +18,9 @@ Triton is missing or its self-check fails) and a Triton kernel (CUDA/ROCm):
   ``log_softmax(logits)[token]`` (before temperature), where inverse-CDF sampling needs a softmax,
   a cumulative sum, a search and a separate log-softmax pass over the vocabulary. The noise (a
   hash and two logs per element, most of the kernel's work) is skipped for a block whose largest
-  ``logit / T`` plus the largest possible noise cannot reach the best score found so far: exact,
-  and with a trained model's peaked logits most of the vocabulary.
+  ``logit / T`` plus the largest possible noise cannot reach the best score found so far, and the
+  two logs for a block where no element's hash leaves it a chance (``1 - u`` bounds ``-log(u)``
+  from below); both exact, and past the first blocks of a chunk most of the vocabulary.
 
 Row seeds come from ``row_seeds(key, counter)``: the counter is the token's index in its sample.
 """
@@ -366,6 +367,7 @@ if HAVE_TRITON:
         n_splits,
         CHUNK: tl.constexpr,
         BLOCK: tl.constexpr,
+        SCREEN: tl.constexpr,
     ):
         r = tl.program_id(0)
         sp = tl.program_id(1)
@@ -374,7 +376,8 @@ if HAVE_TRITON:
         inv_t = tl.where(greedy, 1.0, 1.0 / tl.maximum(t, 1e-30))
         seed = tl.load(SEEDS + r).to(tl.uint32)
         m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)  # running max of the chunk
-        s = tl.sum(tl.zeros([BLOCK], tl.float32), 0)  # running sum of exp(x - m)
+        s = tl.zeros([BLOCK], tl.float32)  # per lane: sum of exp(x - m), reduced once at the end
+        top = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)  # best score so far
         best = tl.full([BLOCK], float("-inf"), tl.float32)
         bidx = tl.zeros([BLOCK], tl.int32)
         braw = tl.zeros([BLOCK], tl.float32)
@@ -384,32 +387,43 @@ if HAVE_TRITON:
             v = v0 + tl.arange(0, BLOCK)
             mask = v < end
             x = tl.load(X + r * sx + v, mask=mask, other=float("-inf")).to(tl.float32)
-            # online logsumexp per block: one exp per element (blocks of -inf so far add nothing)
-            m_new = tl.maximum(m, tl.max(x, 0))
-            live = m_new > float("-inf")
-            s = tl.where(live, s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), 0), 0.0)
+            # online logsumexp, one exp per element (a chunk of -inf so far adds nothing)
+            xmax = tl.max(x, 0)
+            m_new = tl.maximum(m, xmax)
+            s = tl.where(m_new > float("-inf"), s * tl.exp(m - m_new) + tl.exp(x - m_new), 0.0)
             m = m_new
             # No score in this block can reach the best so far when even its largest logit plus the
             # largest noise falls short: skip the hash and the two logs (exact, see GUMBEL_BOUND).
-            reach = tl.max(x, 0) * inv_t + tl.where(greedy, 0.0, _GUMBEL_BOUND)
-            if reach >= tl.max(best, 0):
-                hsh = _fmix32_tl(seed ^ (v.to(tl.uint32) * 0x85EBCA77))
-                u = ((hsh >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # as gumbel_noise
-                g = -tl.log(-tl.log(u))
-                score = tl.where(greedy, x, x * inv_t + g)
-                score = tl.where(mask, score, float("-inf"))
-                better = score > best
-                best = tl.where(better, score, best)
-                bidx = tl.where(better, v, bidx)
-                braw = tl.where(better, x, braw)
+            if xmax * inv_t + tl.where(greedy, 0.0, _GUMBEL_BOUND) >= top:
+                k = _fmix32_tl(seed ^ (v.to(tl.uint32) * 0x85EBCA77)) >> 9
+                if SCREEN:
+                    # x/T - log(E) beats ``top`` only if E = -log(u) < exp(x/T - top), and
+                    # E >= 1 - u: so an element with 1 - u >= exp(x/T - top) cannot win (no log
+                    # needed). 1 - u is exact in float32; the slack covers the rounding of the
+                    # scores and of exp. Greedy rows need x > top.
+                    gap = (8388607.5 - k.to(tl.float32)) * (1.0 / 8388608.0)
+                    slack = 1e-3 + 4e-6 * tl.abs(top)
+                    chance = tl.where(greedy, x > top, gap < tl.exp(x * inv_t - top + slack))
+                    go = tl.max(chance.to(tl.int32), 0) > 0
+                else:
+                    go = xmax > float("-inf")
+                if go:
+                    u = (k.to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # as gumbel_noise
+                    g = -tl.log(-tl.log(u))
+                    score = tl.where(greedy, x, x * inv_t + g)
+                    score = tl.where(mask, score, float("-inf"))
+                    better = score > best
+                    best = tl.where(better, score, best)
+                    bidx = tl.where(better, v, bidx)
+                    braw = tl.where(better, x, braw)
+                    top = tl.max(best, 0)
         # reduce the lanes: the first index of the best score
-        top = tl.max(best, 0)
         big = 2147483647
         idx = tl.min(tl.where(best == top, bidx, big), 0)
         raw = tl.max(tl.where((best == top) & (bidx == idx), braw, float("-inf")), 0)
         o = r * n_splits + sp
         tl.store(P_M + o, m)
-        tl.store(P_S + o, s)
+        tl.store(P_S + o, tl.sum(s, 0))
         tl.store(P_BEST + o, top)
         tl.store(P_IDX + o, idx)
         tl.store(P_RAW + o, raw)
@@ -542,13 +556,24 @@ class TritonDecodeAttention:
 
 
 class TritonSampler:
-    """One read of the logits: Gumbel-max token and raw log-probability per row."""
+    """One read of the logits: Gumbel-max token and raw log-probability per row.
 
-    def __init__(self, max_rows: int, vocab: int, device: torch.device) -> None:
+    ``screen`` (default on) computes the noise's two logs only for the vocabulary blocks where some
+    element could still beat the best score, found from its hash alone; off, every block that the
+    largest-noise bound cannot rule out pays for them (kept for the benchmark's A/B). Both give the
+    same tokens.
+    """
+
+    def __init__(
+        self, max_rows: int, vocab: int, device: torch.device, screen: bool = True, chunk: int = 8192
+    ) -> None:
         if not HAVE_TRITON:
             raise RuntimeError("triton is not importable")
         self.block = 1024
-        self.chunk = 8192
+        if chunk % self.block:
+            raise ValueError(f"chunk {chunk} must be a multiple of the block ({self.block})")
+        self.chunk = chunk
+        self.screen = screen
         self.vocab = vocab
         self.n_splits = math.ceil(vocab / self.chunk)
         shape = (max_rows, self.n_splits)
@@ -568,7 +593,7 @@ class TritonSampler:
         _sample_split_kernel[(n, self.n_splits)](
             logits, logits.stride(0), temperature, seeds,
             self.p_m, self.p_s, self.p_best, self.p_idx, self.p_raw,
-            v, self.n_splits, CHUNK=self.chunk, BLOCK=self.block,
+            v, self.n_splits, CHUNK=self.chunk, BLOCK=self.block, SCREEN=self.screen,
         )  # fmt: skip
         _sample_combine_kernel[(n,)](
             self.p_m, self.p_s, self.p_best, self.p_idx, self.p_raw, tok, lp,

@@ -67,7 +67,9 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
         "X": "*bf16", "TEMP": "*fp32", "SEEDS": "*i64",
         **dict.fromkeys(("P_M", "P_S", "P_BEST", "P_RAW"), "*fp32"), "P_IDX": "*i32",
     }  # fmt: skip
-    out.append(("sampling split", decode._sample_split_kernel, sample_ptrs, dict(CHUNK=8192, BLOCK=1024)))
+    for screen in (False, True):
+        consts = dict(CHUNK=8192, BLOCK=1024, SCREEN=screen)
+        out.append((f"sampling split screen={screen}", decode._sample_split_kernel, sample_ptrs, consts))
     pick_ptrs = {
         **dict.fromkeys(("P_M", "P_S", "P_BEST", "P_RAW", "LP"), "*fp32"), "P_IDX": "*i32", "TOK": "*i64",
     }  # fmt: skip

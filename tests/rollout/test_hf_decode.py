@@ -169,6 +169,24 @@ KERNEL_SCRIPT = textwrap.dedent(
     x[0, 0] = 40.0
     tok, _ = K.TritonSampler(1, 20000, cpu)(x, torch.ones(1), torch.tensor([MAX_HASH_SEED]))
     out["extreme_hash_token"] = tok.item()
+    # the screen (the noise's two logs only in blocks where some hash leaves a chance) never drops
+    # a winner: token 7000, six blocks after the chunk's best (token 5), is set to beat it by 1e-5
+    # or to miss it by 1e-5; with the screen on, off, and in the reference. Rows 2-3 hash token
+    # 7000 to u = 1 - 1.5 / 2**23, where the screen's bound 1 - u is closest to -log(u).
+    seeds = K.row_seeds(torch.arange(4) + 99, torch.zeros(4, dtype=torch.long))
+    seeds[2:] = TIGHT_HASH_SEED
+    noise = K.gumbel_noise(seeds, 20000)
+    x = torch.full((4, 20000), -30.0)
+    x[:, 5] = 0.0
+    t = torch.tensor([1.0, 0.5, 1.0, 0.5])
+    margin = torch.tensor([1e-5, -1e-5, 1e-5, -1e-5])
+    x[:, 7000] = (x[:, 5] / t + noise[:, 5] - noise[:, 7000] + margin) * t
+    picks = {}
+    for name, smp in (("on", K.TritonSampler(4, 20000, cpu)),
+                      ("off", K.TritonSampler(4, 20000, cpu, screen=False))):
+        picks[name] = smp(x, t, seeds)[0].tolist()
+    picks["reference"] = K.sample_tokens_ref(x, t, seeds)[0].tolist()
+    out["screen_picks"] = picks
     print(json.dumps(out))
     """
 )
@@ -254,7 +272,9 @@ def test_triton_kernels_match_their_references_in_the_interpreter(
     triton_interpret: Callable[[str], dict[str, Any]],
 ) -> None:
     assert kernels.HAVE_TRITON, "triton is part of the test environment (torch's dependency)"
-    out = triton_interpret(KERNEL_SCRIPT.replace("MAX_HASH_SEED", str(seed_hashing_to(0xFFFFFFFF, 700))))
+    tight = seed_hashing_to(((2**23 - 2) << 9) | 0x1FF, 7000)
+    script = KERNEL_SCRIPT.replace("MAX_HASH_SEED", str(seed_hashing_to(0xFFFFFFFF, 700)))
+    out = triton_interpret(script.replace("TIGHT_HASH_SEED", str(tight)))
     for key in (
         "attention_torch.float32",
         "attention_torch.float16",
@@ -265,6 +285,7 @@ def test_triton_kernels_match_their_references_in_the_interpreter(
     assert out["same_tokens"] and out["lp_err"] < 1e-5
     assert out["peaked_same_tokens"] and out["peaked_lp_err"] < 1e-5
     assert out["extreme_hash_token"] == 0
+    assert out["screen_picks"] == {k: [7000, 5, 7000, 5] for k in ("on", "off", "reference")}
 
 
 def test_engine_with_triton_kernels_equals_engine_without(

@@ -74,8 +74,11 @@ def test_rollout_gpu_bench_smoke_without_rlkube_install_or_pydantic(tmp_path: Pa
     assert res["generate_b64"]["tokens"] == res["b64"]["tokens"]
 
 
-def test_decode_step_bench_times_each_attention_split_with_the_triton_kernels(tmp_path: Path) -> None:
-    """The A/B of the captured decode step runs its Triton kernels (here in the interpreter) per split."""
+def test_decode_step_bench_times_each_attention_split_and_sampler_setting_with_the_triton_kernels(
+    tmp_path: Path,
+) -> None:
+    """The A/B of the captured decode step runs its Triton kernels (here in the interpreter) per
+    split, and the sampling kernel per setting, each giving the same tokens."""
     proc = run_bench("decode_step_gpu.py", tmp_path, gpu_machine=True, env_extra={"TRITON_INTERPRET": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "decode-step-gpu.json").read_text())
@@ -85,7 +88,11 @@ def test_decode_step_bench_times_each_attention_split_with_the_triton_kernels(tm
     splits = [by_config[c]["split"] for c in ("default", "direct", "split128", "split256", "shared64")]
     assert splits == [128, 128, 128, 256, 128]
     assert all(0 < r["fraction_of_bound"] < 1 and r["step_ms"] > 0 for r in report["results"])
-    assert [r["sampler"] for r in report["sampler"]] == ["normal", "zipf"]
+    variants = ["screen", "no-screen", "screen-chunk16k"]
+    assert [(r["sampler"], r["variant"]) for r in report["sampler"]] == [
+        (shape, v) for shape in ("normal", "zipf1", "zipf2") for v in variants
+    ]
+    assert all(r["same_tokens_as_first_variant"] for r in report["sampler"])
     assert report["capture_failure"] == {"ran": False, "why": "needs a CUDA or ROCm device"}
     assert all(r["us"] > 0 and 0 < r["fraction_of_read_bound"] < 1 for r in report["sampler"])
 
