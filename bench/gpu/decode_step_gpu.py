@@ -13,8 +13,9 @@ no combine kernel). Random-init Qwen2 with Qwen2.5-0.5B / 1.5B shapes, bf16.
 Writes JSON to stdout and to ``$OUT/decode-step-gpu.json`` when ``$OUT`` is set (rewritten after
 every part, so a run cut short keeps what it measured). First the quick parts: the sampling kernel
 alone, each of its settings on the same random-normal and Zipf-shaped logits (what its block
-skipping and its screen save on a trained model's logits), and a graph capture that CUDA aborts (the engine must decode on and leave the
-device's random numbers usable). Then each entry has the step time (median of ``--repeats``
+skipping and its screen save on a trained model's logits; ``--sizes ""`` stops after these), and a
+graph capture that CUDA aborts (the engine must decode on and leave the device's random numbers
+usable). Then each entry has the step time (median of ``--repeats``
 timings of ``--steps`` replays), its fraction of the step's bound (``roofline.decode_step_bytes`` /
 ``decode_step_flops`` against the read bandwidth and GEMM rate measured in the same run, as
 ``rollout_gpu.py``), the ratio to the first configuration of the same shape and, with several
@@ -159,12 +160,41 @@ def bench(
     return res
 
 
-# the sampling kernel's settings timed side by side (same logits, same run)
+# the sampling kernel's settings timed side by side (same logits, same run); "default" is the
+# policy (TritonSampler.chunk_for), the others fix the vocabulary entries per program
 SAMPLER_VARIANTS: dict[str, dict[str, Any]] = {
-    "screen": {},
+    "default": {},
     "no-screen": {"screen": False},
-    "screen-chunk16k": {"chunk": 16384},
+    "chunk4k": {"chunk": 4096},
+    "chunk8k": {"chunk": 8192},
+    "chunk16k": {"chunk": 16384},
+    "chunk32k": {"chunk": 32768},
 }
+
+
+def _timed_calls(fn: Any, dev: torch.device, calls: int, repeats: int) -> list[float]:
+    """Seconds per call of ``fn``, ``calls`` at a time; on CUDA replayed from a graph, as the decode
+    step runs it (a Python launch costs more than the kernel at 64 rows)."""
+
+    def run() -> None:
+        for _ in range(calls):
+            fn()
+
+    if dev.type == "cuda":
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        run = graph.replay  # type: ignore[assignment]
+    times = []
+    for _ in range(repeats):
+        common.sync(dev)
+        t = time.perf_counter()
+        run()
+        common.sync(dev)
+        times.append((time.perf_counter() - t) / calls)
+    return times
 
 
 def bench_sampler(
@@ -172,8 +202,7 @@ def bench_sampler(
 ) -> list[dict[str, Any]]:
     """The sampling kernel alone, each setting of SAMPLER_VARIANTS on the same logits, against the
     read of the bf16 logits it needs. Logits: random normal (a random-init model's), Zipf with
-    exponent 1 (a heavy tail) and 2 (a trained model's peak). ``calls`` back-to-back calls per
-    timing, so launch latency is not what is measured."""
+    exponent 1 (a heavy tail) and 2 (a trained model's peak)."""
     from rlkube.runtime.rollout import kernels
 
     g = torch.Generator().manual_seed(0)
@@ -195,20 +224,13 @@ def bench_sampler(
             tok, _ = sampler(x, temp, seeds)  # compiles
             same = want is None or bool((tok == want).all())
             want = tok if want is None else want
-            times = []
-            for _ in range(repeats):
-                common.sync(dev)
-                t = time.perf_counter()
-                for _ in range(calls):
-                    sampler(x, temp, seeds)
-                common.sync(dev)
-                times.append((time.perf_counter() - t) / calls)
+            times = _timed_calls(lambda sampler=sampler, x=x: sampler(x, temp, seeds), dev, calls, repeats)
             t = statistics.median(times)
             bound = x.numel() * x.element_size() / read_bps
             out.append({
-                "sampler": shape, "variant": name, "rows": rows, "vocab": vocab, "us": 1e6 * t,
-                "us_range": [1e6 * min(times), 1e6 * max(times)], "fraction_of_read_bound": bound / t,
-                "same_tokens_as_first_variant": same,
+                "sampler": shape, "variant": name, "chunk": sampler.chunk_for(rows), "rows": rows,
+                "vocab": vocab, "us": 1e6 * t, "us_range": [1e6 * min(times), 1e6 * max(times)],
+                "fraction_of_read_bound": bound / t, "same_tokens_as_first_variant": same,
             })  # fmt: skip
             print(json.dumps(out[-1]), flush=True)
     return out
@@ -307,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     save()
     first_setting = args.compile.split(",")[0]
-    for size in args.sizes.split(","):
+    for size in filter(None, args.sizes.split(",")):  # --sizes "": the quick parts only
         for rows in (int(r) for r in args.rows.split(",")):
             for setting in args.compile.split(","):
                 report["results"] += bench(
