@@ -46,15 +46,25 @@ from rlkube.runtime.models.roofline import decode_step_bytes, decode_step_flops,
 from rlkube.runtime.models.tiny import make_qwen2_like, tiny_qwen2_config  # noqa: E402
 from rlkube.runtime.rollout.hf_decode import StaticDecoder  # noqa: E402
 
-# name -> (attention split: positions per program, None for the default policy, "direct" for one
-# program per row and KV head and no combine kernel; shared prompt: each group of 8 rows reads its
-# first that many positions from the group's first row, as the samples of one prompt do)
-CONFIGS: dict[str, tuple[int | str | None, int]] = {
-    "default": (None, 0),
-    "direct": ("direct", 0),
-    "split128": (128, 0),
-    "split256": (256, 0),
-    "shared64": (None, 64),
+# name -> settings of the attention kernel: ``split`` (positions per program; None for the default
+# policy, "direct" for one program per row and KV head and no combine kernel), ``shared`` (each
+# group of 8 rows reads its first that many positions from the group's first row, as the samples of
+# one prompt do), ``block_n`` (positions per inner-loop block) and ``launch`` (Triton's num_warps /
+# num_stages: how many programs fit on an SM, how deep the loads are pipelined); ``silu``: "triton"
+# computes the MLP's silu(gate) * up with kernels.silu_mul after a compiled norm + gate/up GEMM,
+# instead of inside inductor's compiled layer_mlp_in
+CONFIGS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "direct": {"split": "direct"},
+    "split128": {"split": 128},
+    "split256": {"split": 256},
+    "shared64": {"shared": 64},
+    "warps8": {"launch": {"num_warps": 8}},
+    "stages2": {"launch": {"num_stages": 2}},
+    "stages4": {"launch": {"num_stages": 4}},
+    "block32": {"block_n": 32},
+    "block128": {"block_n": 128, "launch": {"num_stages": 2}},
+    "silu-triton": {"silu": "triton"},
 }
 GROUP = 8
 
@@ -88,13 +98,23 @@ def time_step(dec: StaticDecoder, rows: int, context: int, steps: int, repeats: 
     return statistics.median(out), first
 
 
-def configure(dec: StaticDecoder, name: str, default_split: Any, rows: int, context: int) -> None:
-    split, shared = CONFIGS[name]
-    shared = min(shared, context)  # never past a row's position
+def configure(
+    dec: StaticDecoder, name: str, default_split: Any, default_mlp_in: Any, rows: int, context: int
+) -> None:
+    cfg = CONFIGS[name]
+    dec._mlp_in_fn = default_mlp_in
+    if cfg.get("silu") == "triton":
+        from rlkube.runtime.rollout import kernels
+        from rlkube.runtime.rollout.hf_decode import layer_gate_up
+
+        gate_up = torch.compile(layer_gate_up) if dec.compiled else layer_gate_up
+        dec._mlp_in_fn = lambda x, norm, w, eps: kernels.silu_mul(gate_up(x, norm, w, eps))
+    split, shared = cfg.get("split"), min(cfg.get("shared", 0), context)  # never past a row's position
     dec.drop_graphs()
     leaders = [r - r % GROUP for r in range(rows)]
     dec.set_shared_prompts(leaders, [shared if lead != r else 0 for r, lead in enumerate(leaders)])
     att = dec._attention
+    att.block_n, att.launch = cfg.get("block_n", 64), dict(cfg.get("launch", {}))
     if split is None:
         att.split_for = default_split
     else:
@@ -131,11 +151,11 @@ def bench(
         model, num_slots=rows, max_seq_len=context + args.steps + 8, max_new_tokens=args.steps + 4,
         compile_step=compile_step, kernels_setting=True, use_cuda_graphs=None,
     )  # fmt: skip
-    default_split = dec._attention.split_for
+    default_split, default_mlp_in = dec._attention.split_for, dec._mlp_in_fn
     res = []
     base = None
     for name in args.configs.split(","):
-        configure(dec, name, default_split, rows, context)
+        configure(dec, name, default_split, default_mlp_in, rows, context)
         try:
             t, first_s = time_step(dec, rows, context, args.steps, args.repeats)
         except Exception:

@@ -602,10 +602,14 @@ def layer_qkv(x: torch.Tensor, weights: tuple[Any, ...], eps: float) -> torch.Te
     return F.linear(F.rms_norm(x, (x.shape[-1],), norm, eps), w_qkv, b_qkv)
 
 
+def layer_gate_up(x: torch.Tensor, norm: torch.Tensor, w_gate_up: torch.Tensor, eps: float) -> torch.Tensor:
+    """Norm and the fused gate/up projection: ``x`` [B, H] -> [B, 2 I], gate first."""
+    return F.linear(F.rms_norm(x, (x.shape[-1],), norm, eps), w_gate_up)
+
+
 def layer_mlp_in(x: torch.Tensor, norm: torch.Tensor, w_gate_up: torch.Tensor, eps: float) -> torch.Tensor:
     """Norm, the fused gate/up projection and ``silu(gate) * up``: the down projection's input."""
-    g, u = F.linear(F.rms_norm(x, (x.shape[-1],), norm, eps), w_gate_up).chunk(2, dim=-1)
-    return F.silu(g) * u
+    return kernels.silu_mul_ref(layer_gate_up(x, norm, w_gate_up, eps))
 
 
 def layer_post_attention(

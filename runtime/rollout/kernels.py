@@ -447,6 +447,34 @@ if HAVE_TRITON:
         tl.store(TOK + r, tok.to(tl.int64))
         tl.store(LP + r, x - mm - tl.log(total))
 
+    @triton.jit
+    def _silu_mul_kernel(GU, OUT, n_cols, s_gu, s_out, BLOCK: tl.constexpr):
+        """``silu(gate) * up`` of one row's [gate | up] block, in float32, rounded once."""
+        r = tl.program_id(0)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = c < n_cols
+        g = tl.load(GU + r * s_gu + c, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(GU + r * s_gu + n_cols + c, mask=mask, other=0.0).to(tl.float32)
+        tl.store(OUT + r * s_out + c, (g / (1.0 + tl.exp(-g)) * u).to(OUT.dtype.element_ty), mask=mask)
+
+
+def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
+    """``silu(gate) * up`` of the fused gate/up projection's output [B, 2 I] (gate first)."""
+    g, u = gate_up.chunk(2, dim=-1)
+    return F.silu(g) * u
+
+
+def silu_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
+    """``silu_mul_ref`` as one Triton kernel over rows x column blocks (no index division; the
+    decode-step benchmark's A/B against inductor's fused kernel)."""
+    b, n = gate_up.shape[0], gate_up.shape[1] // 2
+    assert gate_up.dim() == 2 and gate_up.stride(-1) == 1 and gate_up.shape[1] == 2 * n
+    out = torch.empty((b, n), dtype=gate_up.dtype, device=gate_up.device)
+    _silu_mul_kernel[(b, triton.cdiv(n, block))](
+        gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block
+    )
+    return out
+
 
 def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
@@ -474,6 +502,9 @@ class TritonDecodeAttention:
         if head_dim & (head_dim - 1) or head_dim < 16:
             raise ValueError(f"head_dim {head_dim} must be a power of two >= 16 for the Triton decode kernel")
         self.block_n = 64
+        # Triton launch options (num_warps, num_stages); empty: Triton's defaults (the benchmark's
+        # A/B sets others)
+        self.launch: dict[str, int] = {}
         self.block_g = max(16, _next_pow2(group))
         self.group, self.d, self.n_kv, self.max_seq = group, head_dim, n_kv, max_seq
         # partials of the largest (rows x splits) any call can use, laid out per call
@@ -539,7 +570,7 @@ class TritonDecodeAttention:
             out.stride(0), out.stride(1), out.stride(2),
             n_splits, g, 1.0 / math.sqrt(d),
             N_HEADS=n_heads, SPLIT=split, BLOCK_N=self.block_n, BLOCK_G=self.block_g, D=d,
-            IEEE=qkv.dtype == torch.float32, DIRECT=n_splits == 1, SHARE=share,
+            IEEE=qkv.dtype == torch.float32, DIRECT=n_splits == 1, SHARE=share, **self.launch,
         )  # fmt: skip
         return self._combine(out, pos, n_splits, split)
 

@@ -74,6 +74,7 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
         **dict.fromkeys(("P_M", "P_S", "P_BEST", "P_RAW", "LP"), "*fp32"), "P_IDX": "*i32", "TOK": "*i64",
     }  # fmt: skip
     out.append(("sampling combine", decode._sample_combine_kernel, pick_ptrs, dict(BLOCK_S=32)))
+    out.append(("silu mul", decode._silu_mul_kernel, {"GU": "*bf16", "OUT": "*bf16"}, dict(BLOCK=1024)))
     lp_ptrs = {
         "X": "*bf16", "GX": "*bf16", "TGT": "*i64", "inv_t": F32,
         **dict.fromkeys(("LP", "ENT", "LSE", "G_LP", "G_ENT"), "*fp32"),

@@ -187,6 +187,9 @@ KERNEL_SCRIPT = textwrap.dedent(
         picks[name] = smp(x, t, seeds)[0].tolist()
     picks["reference"] = K.sample_tokens_ref(x, t, seeds)[0].tolist()
     out["screen_picks"] = picks
+    # the MLP's silu(gate) * up: rows x column blocks, a ragged last block
+    gu = torch.randn(5, 2 * 1500, generator=g) * 3
+    out["silu_err"] = float((K.silu_mul(gu) - K.silu_mul_ref(gu)).abs().max())
     print(json.dumps(out))
     """
 )
@@ -285,6 +288,7 @@ def test_triton_kernels_match_their_references_in_the_interpreter(
     assert out["same_tokens"] and out["lp_err"] < 1e-5
     assert out["peaked_same_tokens"] and out["peaked_lp_err"] < 1e-5
     assert out["extreme_hash_token"] == 0
+    assert out["silu_err"] < 1e-5
     assert out["screen_picks"] == {k: [7000, 5, 7000, 5] for k in ("on", "off", "reference")}
 
 

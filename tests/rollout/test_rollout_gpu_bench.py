@@ -79,14 +79,17 @@ def test_decode_step_bench_times_each_attention_split_and_sampler_setting_with_t
 ) -> None:
     """The A/B of the captured decode step runs its Triton kernels (here in the interpreter) per
     split, and the sampling kernel per setting, each giving the same tokens."""
-    proc = run_bench("decode_step_gpu.py", tmp_path, gpu_machine=True, env_extra={"TRITON_INTERPRET": "1"})
+    configs = ("default", "direct", "split128", "split256", "shared64", "block32", "silu-triton")
+    proc = run_bench(
+        "decode_step_gpu.py", tmp_path, "--configs", ",".join(configs), gpu_machine=True,
+        env_extra={"TRITON_INTERPRET": "1"},
+    )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "decode-step-gpu.json").read_text())
     by_config = {r["config"]: r for r in report["results"]}
-    assert set(by_config) == {"default", "direct", "split128", "split256", "shared64"}
+    assert set(by_config) == set(configs)
     # a 128-position cache is short enough for one program per row and KV head by default
-    splits = [by_config[c]["split"] for c in ("default", "direct", "split128", "split256", "shared64")]
-    assert splits == [128, 128, 128, 256, 128]
+    assert [by_config[c]["split"] for c in configs] == [128, 128, 128, 256, 128, 128, 128]
     assert all(0 < r["fraction_of_bound"] < 1 and r["step_ms"] > 0 for r in report["results"])
     variants = ["default", "no-screen", "chunk4k", "chunk8k", "chunk16k", "chunk32k"]
     assert [(r["sampler"], r["variant"]) for r in report["sampler"]] == [
