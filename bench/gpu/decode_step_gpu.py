@@ -189,6 +189,7 @@ SAMPLER_VARIANTS: dict[str, dict[str, Any]] = {
     "chunk8k": {"chunk": 8192},
     "chunk16k": {"chunk": 16384},
     "chunk32k": {"chunk": 32768},
+    "block2k": {"block": 2048},
 }
 
 

@@ -591,13 +591,13 @@ class TritonSampler:
 
     Each row's vocabulary is cut into chunks, one program each, whose partial results a second
     small kernel combines. ``chunk`` (vocabulary entries per program) defaults to ``chunk_for``'s
-    policy. ``screen`` (default on) computes the noise's two logs only for the vocabulary blocks
-    where some element could still beat the best score, found from its hash alone; off, every
-    block that the largest-noise bound cannot rule out pays for them (kept for the benchmark's
-    A/B). Every setting gives the same tokens.
+    policy; a program steps through it ``block`` entries at a time (8 per thread). ``screen``
+    (default on) computes the noise's two logs only for the vocabulary blocks where some element
+    could still beat the best score, found from its hash alone; off, every block that the
+    largest-noise bound cannot rule out pays for them (kept for the benchmark's A/B). Every
+    setting gives the same tokens.
     """
 
-    BLOCK = 1024
     TARGET_PROGRAMS = 2048
     # 16k-entry chunks were 12-14% faster than 8k at 512 rows on the H200 (decode-step bench,
     # stop 24); at 64 rows they would leave the GPU half idle (640 programs)
@@ -610,12 +610,15 @@ class TritonSampler:
         device: torch.device,
         screen: bool = True,
         chunk: int | None = None,
+        block: int = 1024,
     ) -> None:
         if not HAVE_TRITON:
             raise RuntimeError("triton is not importable")
-        if chunk is not None and (chunk <= 0 or chunk % self.BLOCK):
-            raise ValueError(f"chunk {chunk} must be a positive multiple of the block ({self.BLOCK})")
-        self.chunk, self.screen, self.vocab = chunk, screen, vocab
+        if block < 256 or block & (block - 1) or min(self.CHUNKS) % block:
+            raise ValueError(f"block {block} must be a power of two >= 256 dividing {min(self.CHUNKS)}")
+        if chunk is not None and (chunk <= 0 or chunk % block):
+            raise ValueError(f"chunk {chunk} must be a positive multiple of the block ({block})")
+        self.chunk, self.screen, self.vocab, self.block = chunk, screen, vocab, block
         # partials for the finest split any call can use
         shape = (max_rows, math.ceil(vocab / min(chunk or self.CHUNKS[0], self.CHUNKS[0])))
         self.p_m = torch.empty(shape, dtype=torch.float32, device=device)
@@ -650,7 +653,7 @@ class TritonSampler:
         lp = torch.empty(n, dtype=torch.float32, device=logits.device)
         _sample_split_kernel[(n, n_splits)](
             logits, logits.stride(0), temperature, seeds, p_m, p_s, p_best, p_idx, p_raw,
-            v, n_splits, CHUNK=chunk, BLOCK=self.BLOCK, SCREEN=self.screen,
+            v, n_splits, CHUNK=chunk, BLOCK=self.block, SCREEN=self.screen, num_warps=self.block // 256,
         )  # fmt: skip
         _sample_combine_kernel[(n,)](
             p_m, p_s, p_best, p_idx, p_raw, tok, lp, n_splits, BLOCK_S=max(2, _next_pow2(n_splits)),
