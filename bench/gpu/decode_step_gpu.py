@@ -50,9 +50,9 @@ from rlkube.runtime.rollout.hf_decode import StaticDecoder  # noqa: E402
 # policy, "direct" for one program per row and KV head and no combine kernel), ``shared`` (each
 # group of 8 rows reads its first that many positions from the group's first row, as the samples of
 # one prompt do), ``block_n`` (positions per inner-loop block) and ``launch`` (Triton's num_warps /
-# num_stages: how many programs fit on an SM, how deep the loads are pipelined); ``silu``: "triton"
-# computes the MLP's silu(gate) * up with kernels.silu_mul after a compiled norm + gate/up GEMM,
-# instead of inside inductor's compiled layer_mlp_in
+# num_stages: how many programs fit on an SM, how deep the loads are pipelined); ``silu``:
+# "inductor" computes the MLP's silu(gate) * up inside inductor's compiled layer_mlp_in, as before
+# the decoder took kernels.silu_mul
 CONFIGS: dict[str, dict[str, Any]] = {
     "default": {},
     "direct": {"split": "direct"},
@@ -64,7 +64,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "stages4": {"launch": {"num_stages": 4}},
     "block32": {"block_n": 32},
     "block128": {"block_n": 128, "launch": {"num_stages": 2}},
-    "silu-triton": {"silu": "triton"},
+    "silu-inductor": {"silu": "inductor"},
 }
 GROUP = 8
 
@@ -103,12 +103,10 @@ def configure(
 ) -> None:
     cfg = CONFIGS[name]
     dec._mlp_in_fn = default_mlp_in
-    if cfg.get("silu") == "triton":
-        from rlkube.runtime.rollout import kernels
-        from rlkube.runtime.rollout.hf_decode import layer_gate_up
+    if cfg.get("silu") == "inductor":
+        from rlkube.runtime.rollout.hf_decode import layer_mlp_in
 
-        gate_up = torch.compile(layer_gate_up) if dec.compiled else layer_gate_up
-        dec._mlp_in_fn = lambda x, norm, w, eps: kernels.silu_mul(gate_up(x, norm, w, eps))
+        dec._mlp_in_fn = torch.compile(layer_mlp_in) if dec.compiled else layer_mlp_in
     split, shared = cfg.get("split"), min(cfg.get("shared", 0), context)  # never past a row's position
     dec.drop_graphs()
     leaders = [r - r % GROUP for r in range(rows)]

@@ -714,6 +714,13 @@ def self_check(kind: str, fn: Any, device: torch.device, **shape: Any) -> str | 
                         why = f"error {err:.3g}, cache error {cache_err:.3g}"
                         return f"rope attention kernel (split {split}, shared prompts {shared}): {why}"
             return None
+        if kind == "silu":
+            rows, inter, dtype = shape["rows"], shape["inter"], shape["dtype"]
+            gu = (torch.randn(rows, 2 * inter, generator=g) * 3).to(device, dtype)
+            want = silu_mul_ref(gu.float())
+            err = float((fn(gu).float() - want).norm() / want.norm())
+            tol = 1e-2 if dtype != torch.float32 else 1e-5
+            return None if err < tol else f"silu kernel: relative error {err:.3g}"
         if kind == "sample":
             rows, vocab, dtype = shape["rows"], shape["vocab"], shape["dtype"]
             x = (torch.randn(rows, vocab, generator=g) * 3).to(device, dtype)

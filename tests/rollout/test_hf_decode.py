@@ -144,6 +144,7 @@ KERNEL_SCRIPT = textwrap.dedent(
                                                 seq=600, dtype=dtype)
         smp = K.TritonSampler(6, 20000, cpu)
         out[f"sample_{dtype}"] = K.self_check("sample", smp, cpu, rows=6, vocab=20000, dtype=dtype)
+        out[f"silu_{dtype}"] = K.self_check("silu", K.silu_mul, cpu, rows=3, inter=700, dtype=dtype)
     # exact agreement, ties aside: same tokens, log-probabilities to float32 rounding
     g = torch.Generator().manual_seed(3)
     x = torch.randn(6, 20000, generator=g) * 4
@@ -283,6 +284,8 @@ def test_triton_kernels_match_their_references_in_the_interpreter(
         "attention_torch.float16",
         "sample_torch.float32",
         "sample_torch.float16",
+        "silu_torch.float32",
+        "silu_torch.float16",
     ):
         assert out[key] is None, (key, out[key])
     assert out["same_tokens"] and out["lp_err"] < 1e-5
@@ -296,7 +299,7 @@ def test_engine_with_triton_kernels_equals_engine_without(
     triton_interpret: Callable[[str], dict[str, Any]],
 ) -> None:
     out = triton_interpret(ENGINE_SCRIPT)
-    assert out["kernels"] == {"attention": "triton", "sampling": "triton"}
+    assert out["kernels"] == {"attention": "triton", "sampling": "triton", "silu": "triton"}
     assert out["same_tokens"] and out["lp_err"] < 1e-5 and out["tf_err"] < LOGPROB_ATOL
 
 

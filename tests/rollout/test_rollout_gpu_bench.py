@@ -66,7 +66,7 @@ def test_rollout_gpu_bench_smoke_without_rlkube_install_or_pydantic(tmp_path: Pa
         assert r["logprob_max_abs_err_vs_teacher_forced"] < 1e-4  # fp32 on the CPU
         assert 0 < r["fraction_of_unique_read_bound"] < r["fraction_of_bound"] < 1  # a lower bound time
         assert r["share_prompt_reads"] is True
-        assert r["kernels"] == {"attention": "sdpa", "sampling": "torch"}  # the CPU path
+        assert r["kernels"] == {"attention": "sdpa", "sampling": "torch", "silu": "torch"}  # the CPU path
     rl = res["rl"]
     assert rl["response_len"]["min"] < rl["response_len"]["max"]  # drawn lengths
     assert rl["prefill_forwards"] == 1  # 3 prompts x 2 samples: one batched prefill
@@ -79,7 +79,7 @@ def test_decode_step_bench_times_each_attention_split_and_sampler_setting_with_t
 ) -> None:
     """The A/B of the captured decode step runs its Triton kernels (here in the interpreter) per
     split, and the sampling kernel per setting, each giving the same tokens."""
-    configs = ("default", "direct", "split128", "split256", "shared64", "block32", "silu-triton")
+    configs = ("default", "direct", "split128", "split256", "shared64", "block32", "silu-inductor")
     proc = run_bench(
         "decode_step_gpu.py", tmp_path, "--configs", ",".join(configs), gpu_machine=True,
         env_extra={"TRITON_INTERPRET": "1"},
