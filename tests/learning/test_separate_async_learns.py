@@ -20,7 +20,7 @@ from .helpers import assert_learned, learning_job
 # 0.5 (verl's meaning): the rollouter runs ahead by half a batch per version and those groups are
 # trained one version later: staleness <= 1 version, at most half of a batch stale.
 THRESHOLD = 0.5
-# Half of every batch is one version old, so it needs more steps than sync's 150.
+# Half of every batch is one version old, so it needs more steps than sync (helpers.LEARNING_STEPS).
 STEPS = 250
 # Unlike the sync runs this one is not reproducible: which engine's groups fill which batch depends
 # on timing. Final held-out reward (best of the last two evals, 60 prompts) measured on this machine:
