@@ -10,7 +10,6 @@ import yaml
 from rlkube.devcluster.tiny_task import tiny_rljob
 from rlkube.runtime.metrics import read_jsonl
 
-
 # 150 steps (the demo's) end on a plateau near 0.8 whose exact value depends on the CPU's float
 # kernels: sync mode reached 0.800 on one machine and 0.783 on another (no AVX-512), with the
 # same code and seeds. 200 steps (the cosine schedule stretched) reach 0.93 on the second, so the
