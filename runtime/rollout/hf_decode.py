@@ -224,7 +224,7 @@ class StaticDecoder:
 
     # ---- kernels ---------------------------------------------------------------------------
     def _init_kernels(self, setting: KernelSetting) -> None:
-        """Triton attention and sampling where they run and agree with their references."""
+        """Triton attention, sampling and SiLU where they run and agree with their references."""
         if setting not in (True, False, "auto"):
             raise ValueError(f"kernels must be True, False or 'auto', not {setting!r}")
         self.kernel_errors: dict[str, str] = {}

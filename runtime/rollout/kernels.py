@@ -1,7 +1,9 @@
 """Decode kernels for the hf engine: attention over each row's own KV length, one-pass sampling.
 
-Two operations, each with a plain PyTorch reference (the CPU path, and the fallback wherever
-Triton is missing or its self-check fails) and a Triton kernel (CUDA/ROCm):
+Three operations, each with a plain PyTorch reference (the CPU path, and the fallback wherever
+Triton is missing or its self-check fails) and a Triton kernel (CUDA/ROCm): the two below, and
+``silu_mul``, the MLP's ``silu(gate) * up`` (inductor's fused kernel for it ran at a third of
+bandwidth on the 1.5B shape).
 
 - ``rope_attention``: from the q/k/v projection's output, RoPE on q and the new k, the new k and v
   written into the cache at the row's position, and attention of that one query token per row
