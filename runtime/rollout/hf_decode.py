@@ -238,50 +238,37 @@ class StaticDecoder:
         if not kernels.HAVE_TRITON:
             self.kernel_errors["triton"] = "triton is not importable"
         else:
-            try:
-                att = kernels.TritonDecodeAttention(
+            rows = min(self.B, 8)
+            self._attention = self._checked_kernel(
+                "attention",
+                lambda: kernels.TritonDecodeAttention(
                     self.B, self.n_kv, self.group, self.head_dim, self.S, self.device
-                )
-                err = kernels.self_check(
-                    "attention", att, self.device, rows=min(self.B, 8), n_kv=self.n_kv,
-                    group=self.group, d=self.head_dim, seq=min(self.S, 700), dtype=self.dtype,
-                )  # fmt: skip
-                if err is None:
-                    self._attention = att
-                else:
-                    self.kernel_errors["attention"] = err
-            except Exception as exc:
-                self.kernel_errors["attention"] = f"{type(exc).__name__}: {exc}"
-            try:
-                smp = kernels.TritonSampler(self.B, self.vocab, self.device)
-                err = kernels.self_check(
-                    "sample", smp, self.device, rows=min(self.B, 8), vocab=self.vocab, dtype=self.dtype
-                )
-                if err is None:
-                    self._sampler = smp
-                else:
-                    self.kernel_errors["sample"] = err
-            except Exception as exc:
-                self.kernel_errors["sample"] = f"{type(exc).__name__}: {exc}"
-            try:
-                err = kernels.self_check(
-                    "silu",
-                    kernels.silu_mul,
-                    self.device,
-                    rows=min(self.B, 8),
-                    inter=self.inter,
-                    dtype=self.dtype,
-                )
-                if err is None:
-                    self._silu = kernels.silu_mul
-                else:
-                    self.kernel_errors["silu"] = err
-            except Exception as exc:
-                self.kernel_errors["silu"] = f"{type(exc).__name__}: {exc}"
+                ),
+                rows=rows, n_kv=self.n_kv, group=self.group, d=self.head_dim, seq=min(self.S, 700),
+            )  # fmt: skip
+            self._sampler = self._checked_kernel(
+                "sample",
+                lambda: kernels.TritonSampler(self.B, self.vocab, self.device),
+                rows=rows,
+                vocab=self.vocab,
+            )
+            self._silu = self._checked_kernel("silu", lambda: kernels.silu_mul, rows=rows, inter=self.inter)
         if setting is True and self.kernel_errors:
             raise RuntimeError(f"decode kernels unavailable: {self.kernel_errors}")
         for k, v in self.kernel_errors.items():
             log.warning("decode kernel %s unavailable, using PyTorch: %s", k, v)
+
+    def _checked_kernel(self, kind: str, make: Callable[[], Any], **shape: Any) -> Any:
+        """``make()`` if it builds and passes ``kernels.self_check``, else None with the reason kept."""
+        try:
+            fn = make()
+            err = kernels.self_check(kind, fn, self.device, dtype=self.dtype, **shape)
+        except Exception as exc:
+            err = f"{type(exc).__name__}: {exc}"
+        if err is None:
+            return fn
+        self.kernel_errors[kind] = err
+        return None
 
     @property
     def kernels_used(self) -> dict[str, str]:

@@ -622,7 +622,7 @@ class TritonSampler:
             raise ValueError(f"chunk {chunk} must be a positive multiple of the block ({block})")
         self.chunk, self.screen, self.vocab, self.block = chunk, screen, vocab, block
         # partials for the finest split any call can use
-        shape = (max_rows, math.ceil(vocab / min(chunk or self.CHUNKS[0], self.CHUNKS[0])))
+        shape = (max_rows, math.ceil(vocab / (chunk or min(self.CHUNKS))))
         self.p_m = torch.empty(shape, dtype=torch.float32, device=device)
         self.p_s = torch.empty(shape, dtype=torch.float32, device=device)
         self.p_best = torch.empty(shape, dtype=torch.float32, device=device)
