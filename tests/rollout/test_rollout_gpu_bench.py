@@ -64,7 +64,10 @@ def test_rollout_gpu_bench_smoke_without_rlkube_install_or_pydantic(tmp_path: Pa
         r = res[shape]
         assert r["batch"] == batch and r["tokens"] == r["bound"]["tokens"]
         assert r["logprob_max_abs_err_vs_teacher_forced"] < 1e-4  # fp32 on the CPU
-        assert 0 < r["fraction_of_unique_read_bound"] < r["fraction_of_bound"] < 1  # a lower bound time
+        # reading each prompt once reads strictly less; the times tie when the CPU's measured GEMM
+        # rate (low under load) makes every step compute-bound, so the fractions compare with <=
+        assert r["unique_read_bound"]["memory_seconds"] < r["bound"]["memory_seconds"]
+        assert 0 < r["fraction_of_unique_read_bound"] <= r["fraction_of_bound"] < 1  # a lower bound time
         assert r["share_prompt_reads"] is True
         assert r["kernels"] == {"attention": "sdpa", "sampling": "torch", "silu": "torch"}  # the CPU path
     rl = res["rl"]
