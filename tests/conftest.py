@@ -49,12 +49,32 @@ def triton_interpret() -> Callable[[str], dict[str, Any]]:
     return run
 
 
+# Directories whose tests drive the machine's one control plane and real node: one worker, in order.
+_CLUSTER_DIRS = ("cluster", "realnode", "realpods", "operator", "chart")
+# Markers of tests that each start a local Ray, a vLLM engine or a long training run: one at a time
+# on one worker, so two of them never share the two cores or race for memory.
+_HEAVY_MARKERS = ("ray", "vllm", "slow")
+
+
+def _xdist_group(item: pytest.Item) -> str | None:
+    """``cluster``, ``heavy`` or None (free to run on any worker) under ``-n N --dist loadgroup``."""
+    top = Path(str(item.path)).relative_to(Path(__file__).parent).parts[0]
+    if top in _CLUSTER_DIRS or item.get_closest_marker("cluster"):
+        return "cluster"
+    if top == "learning" or any(item.get_closest_marker(m) for m in _HEAVY_MARKERS):
+        return "heavy"
+    return None
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.cluster)
+        group = _xdist_group(item)
+        if group:
+            item.add_marker(pytest.mark.xdist_group(group))
     # The real node's own lifecycle test needs the machine's one real node free: run it before
-    # anything starts the session's cluster.
+    # anything starts the session's cluster (it is in the cluster group, so the same worker).
     items.sort(key=lambda item: 0 if item.get_closest_marker("realnode_lifecycle") else 1)
 
 
