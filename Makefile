@@ -46,11 +46,8 @@ lint: venv
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy api runtime operator devcluster
 
-# Two workers: the cluster tests on one, the Ray/vLLM/learning runs on the other, the rest wherever
-# a worker is free (groups in tests/conftest.py). TEST_WORKERS=0 runs everything in one process.
-TEST_WORKERS ?= 2
 test: venv cluster-build lint
-	$(PYTEST) -p no:cacheprovider $(if $(filter 0,$(TEST_WORKERS)),,-n $(TEST_WORKERS) --dist loadgroup) tests
+	PYTEST=$(PYTEST) bash tests/run.sh
 
 test-realpods: venv cluster-build
 	$(PYTEST) -p no:cacheprovider -m realpods tests

@@ -49,32 +49,28 @@ def triton_interpret() -> Callable[[str], dict[str, Any]]:
     return run
 
 
-# Directories whose tests drive the machine's one control plane and real node: one worker, in order.
+# Directories whose tests drive the machine's one control plane and real node.
 _CLUSTER_DIRS = ("cluster", "realnode", "realpods", "operator", "chart")
-# Markers of tests that each start a local Ray, a vLLM engine or a long training run: one at a time
-# on one worker, so two of them never share the two cores or race for memory.
+# Tests that each start a local Ray, a vLLM engine or a long training run: `make test` runs them
+# (marker `heavy`) in a second pytest beside the cluster tests, which mostly wait on the cluster.
 _HEAVY_MARKERS = ("ray", "vllm", "slow")
 
 
-def _xdist_group(item: pytest.Item) -> str | None:
-    """``cluster``, ``heavy`` or None (free to run on any worker) under ``-n N --dist loadgroup``."""
+def _is_heavy(item: pytest.Item) -> bool:
     top = Path(str(item.path)).relative_to(Path(__file__).parent).parts[0]
     if top in _CLUSTER_DIRS or item.get_closest_marker("cluster"):
-        return "cluster"
-    if top == "learning" or any(item.get_closest_marker(m) for m in _HEAVY_MARKERS):
-        return "heavy"
-    return None
+        return False
+    return top == "learning" or any(item.get_closest_marker(m) for m in _HEAVY_MARKERS)
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if _CLUSTER_FIXTURES & set(getattr(item, "fixturenames", ())):
             item.add_marker(pytest.mark.cluster)
-        group = _xdist_group(item)
-        if group:
-            item.add_marker(pytest.mark.xdist_group(group))
+        if _is_heavy(item):
+            item.add_marker(pytest.mark.heavy)
     # The real node's own lifecycle test needs the machine's one real node free: run it before
-    # anything starts the session's cluster (it is in the cluster group, so the same worker).
+    # anything starts the session's cluster.
     items.sort(key=lambda item: 0 if item.get_closest_marker("realnode_lifecycle") else 1)
 
 

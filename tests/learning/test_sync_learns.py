@@ -14,6 +14,7 @@ from .helpers import assert_learned, learning_job
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # beside the cluster tests in `make test`: slower than alone
 def test_sync_grpo_learns_arithmetic(tmp_path: Path, learn_task: Any) -> None:
     job = resolve(load_rljob(learning_job(tmp_path / "job.yaml", learn_task, "sync")))
     res = run_local(job, tmp_path / "out")

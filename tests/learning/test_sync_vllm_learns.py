@@ -20,6 +20,7 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)  # beside the cluster tests in `make test`: slower than alone
 @pytest.mark.ray
 def test_sync_grpo_learns_arithmetic_vllm(tmp_path: Path, learn_task: Any, monkeypatch: Any) -> None:
     path = learning_job(
