@@ -27,6 +27,15 @@ from rlkube.devcluster.testing import Kubectl, wait_for
 pytestmark = [pytest.mark.realnode_lifecycle, pytest.mark.realpods, pytest.mark.timeout(600)]
 
 
+BUILTIN_CHAINS = ("INPUT", "OUTPUT", "FORWARD", "PREROUTING", "POSTROUTING")
+
+
+def _is_default_builtin_chain(line: str) -> bool:
+    """`:INPUT ACCEPT [0:0]`-style line of a built-in chain left at its default policy."""
+    name, policy = line[1:].split()[:2]
+    return name in BUILTIN_CHAINS and policy == "ACCEPT"
+
+
 def host_snapshot() -> dict[str, object]:
     """What a real node may change on the host, read from the kernel."""
     mounts = sorted(
@@ -38,8 +47,14 @@ def host_snapshot() -> dict[str, object]:
     chains = {}
     for binary in ("iptables-save", "ip6tables-save"):
         out = subprocess.run([binary], capture_output=True, text=True, check=True).stdout
+        # A table's built-in chains with the default ACCEPT policy and no rules are what the kernel
+        # creates on any first use of iptables (nf_tables backend), the same as no table at all: a
+        # fresh machine has none before the first node, and they stay after it. Our chains, changed
+        # policies and our rules are what must not stay.
         chains[binary] = sorted(
-            line for line in out.splitlines() if line.startswith(":") or "KUBE" in line or "RLKUBE" in line
+            line
+            for line in out.splitlines()
+            if (line.startswith(":") and not _is_default_builtin_chain(line)) or "KUBE" in line
         )
     names = ("containerd", "containerd-shim-runc-v2", "kubelet", "kube-proxy", "coredns", "pause")
     procs = []
