@@ -119,11 +119,14 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
         moved0, prefill0 = d.rows_moved, d.prefill_forwards
         reqs = make_requests("q", vocab, p_lens, r_lens, samples, seed=1)
         reset_peak(dev)
+        engine.phase_events = [] if dev.type == "cuda" else None
         common.sync(dev)
         t = time.perf_counter()
         out = engine.generate(reqs)
         common.sync(dev)
         dt = time.perf_counter() - t
+        phases = phase_seconds(engine.phase_events or [])
+        engine.phase_events = None
         tokens = sum(len(c.token_ids) for c in out)
         assert tokens == sum(r_lens), (tokens, sum(r_lens))
         errs = []  # trust check: the engine's logprobs vs a teacher-forced forward of the same model
@@ -153,11 +156,23 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
             "rows_moved": d.rows_moved - moved0,
             "prefill_forwards": d.prefill_forwards - prefill0,
             "sync_every": engine.sync_every,
+            # the call's wall time on the device's timeline: prefill and admission, decode chunks,
+            # and the rest (the GPU idle while the host collects, plans and launches)
+            "phase_seconds": phases,
+            "gpu_idle_seconds": dt - sum(phases.values()) if phases else None,
             "logprob_max_abs_err_vs_teacher_forced": max(errs),
             "_lengths": (p_lens, r_lens, samples),
         }
     finally:
         engine.shutdown()
+
+
+def phase_seconds(events: list[tuple[str, Any, Any]]) -> dict[str, float]:
+    """Seconds per phase from the engine's (phase, start, end) CUDA events (after a sync)."""
+    out: dict[str, float] = {}
+    for phase, start, end in events:
+        out[phase] = out.get(phase, 0.0) + start.elapsed_time(end) / 1e3
+    return out
 
 
 def run_generate(model: Any, args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
@@ -306,7 +321,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['size']:>5} {shape:>5} batch {x['batch']:>4}: {x['tokens_per_s']:>9.0f} tok/s, "
                     f"bound {x['bound']['bound_tokens_per_s']:>9.0f} -> {100 * x['fraction_of_bound']:.1f}% "
                     f"({100 * x['fraction_of_unique_read_bound']:.1f}% of the unique-read bound), "
-                    f"first call {x['first_call_seconds']:.1f} s, kernels {x['kernels']}"
+                    f"first call {x['first_call_seconds']:.1f} s, kernels {x['kernels']}, "
+                    f"phases {x['phase_seconds']} of {x['seconds']:.4f} s"
                 )
             elif x:
                 print(f"{r['size']} {shape}: {x.get('error')}")

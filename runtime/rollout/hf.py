@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Iterable, Iterator, MutableMapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -159,6 +159,9 @@ class HFEngine(ThreadedEngine):
         self._pause = 0  # callers waiting for the loop to stop at a sync point
         self._busy = False  # the loop is inside a chunk (touching the decoder)
         self._closed = False
+        # a benchmark sets a list here to time the loop's device work by phase (CUDA events:
+        # ("admit" | "decode", start, end)); the GPU's idle time is the wall time outside them
+        self.phase_events: list[tuple[str, Any, Any]] | None = None
         self._thread = threading.Thread(target=self._loop, name="hf-rollout", daemon=True)
         self._thread.start()
 
@@ -408,9 +411,8 @@ class HFEngine(ThreadedEngine):
                         admit = self._take_admissions()
                         moves = self._plan_compaction()
                     try:
-                        self._apply_moves(moves)
-                        self._admit(admit)
-                        self._run_chunk()
+                        self._timed("admit", self._move_and_admit, moves, admit)
+                        self._timed("decode", self._run_chunk)
                     finally:
                         with self._cv:
                             self._busy = False
@@ -421,6 +423,17 @@ class HFEngine(ThreadedEngine):
                 self._error = exc
                 self._busy = False
                 self._cv.notify_all()
+
+    def _timed(self, phase: str, fn: Callable[..., None], *args: Any) -> None:
+        events = self.phase_events
+        if events is None or self.device.type != "cuda":
+            fn(*args)
+            return
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn(*args)
+        end.record()
+        events.append((phase, start, end))
 
     def _take_admissions(self) -> list[_Work]:
         free = [i for i, w in enumerate(self._slots) if w is None]
@@ -437,7 +450,7 @@ class HFEngine(ThreadedEngine):
         """Move live samples above the smallest bucket that holds them all into free rows below it.
 
         Called with the lock held, after admissions (which take the lowest free rows). Returns
-        ``(from, to)`` row pairs for ``_apply_moves``; ``_slots`` already shows the new rows.
+        ``(from, to)`` row pairs for ``_move_and_admit``; ``_slots`` already shows the new rows.
         """
         live = [i for i, w in enumerate(self._slots) if w is not None]
         if not live:
@@ -454,11 +467,13 @@ class HFEngine(ThreadedEngine):
             w.slot = dst
         return moves
 
-    def _apply_moves(self, moves: list[tuple[int, int]]) -> None:
+    def _move_and_admit(self, moves: list[tuple[int, int]], admit: list[_Work]) -> None:
+        """Compact the live rows (``_plan_compaction``'s moves), then admit ``admit``."""
         if moves:
             self._shares_stale = True
             upto = max(w.max_pos for w in self._slots if w is not None) + 1
             self.decoder.move_rows([a for a, _ in moves], [b for _, b in moves], upto)
+        self._admit(admit)
 
     def _admit(self, items: list[_Work]) -> None:
         """Prefill new samples (one forward per distinct prefix, all of them batched) and sample
