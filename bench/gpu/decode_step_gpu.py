@@ -65,7 +65,9 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "block32": {"block_n": 32},
     "block128": {"block_n": 128, "launch": {"num_stages": 2}},
     "silu-inductor": {"silu": "inductor"},
+    "cublaslt": {"blas": "cublaslt"},
 }
+DEFAULT_BLAS = torch.backends.cuda.preferred_blas_library()
 GROUP = 8
 
 CAPTURE_FAILURE_CHECKS = ("same_tokens", "graphs_off", "graph_error_recorded", "random_ops_work_after")
@@ -102,6 +104,7 @@ def configure(
     dec: StaticDecoder, name: str, default_split: Any, default_mlp_in: Any, rows: int, context: int
 ) -> None:
     cfg = CONFIGS[name]
+    torch.backends.cuda.preferred_blas_library(cfg.get("blas", DEFAULT_BLAS))
     dec._mlp_in_fn = default_mlp_in
     if cfg.get("silu") == "inductor":
         from rlkube.runtime.rollout.hf_decode import layer_mlp_in
