@@ -47,8 +47,8 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
         for direct, share, v_early in ((False, False, False), (False, True, False), (True, True, False),
                                        (True, True, True)):  # fmt: skip
             consts = dict(
-                N_HEADS=n_heads, SPLIT=64, BLOCK_N=64, BLOCK_G=16, D=d, IEEE=False, DIRECT=direct, SHARE=share,
-                V_EARLY=v_early,
+                N_HEADS=n_heads, SPLIT=64, BLOCK_N=64, BLOCK_G=16, D=d, IEEE=False, DIRECT=direct,
+                SHARE=share, V_EARLY=v_early,
             )  # fmt: skip
             name = f"rope attention D={d} direct={direct} share={share} v_early={v_early}"
             out.append((name, decode._rope_attn_split_kernel, attn_ptrs, consts))
