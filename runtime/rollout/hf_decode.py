@@ -103,6 +103,8 @@ class StaticDecoder:
     _mlp_in_fn: Callable[..., Any]
     _residual_fn: Callable[..., Any]
     _advance_fn: Callable[..., Any]
+    _seeds_fn: Callable[..., Any]
+    _final_norm_fn: Callable[..., Any]
 
     def __init__(
         self,
@@ -198,6 +200,9 @@ class StaticDecoder:
             if mode is not None:  # autotuned, the o and down GEMMs may fuse the residual add too
                 self._residual_fn = torch.compile(residual_linear_, mode=mode)
             self._advance_fn = torch.compile(advance_slots)
+            # eager, the seeds' 32-bit hash was ~25 one-microsecond integer kernels per step
+            self._seeds_fn = torch.compile(kernels.row_seeds)
+            self._final_norm_fn = torch.compile(final_norm)
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
         # host-side counters (benchmarks and tests read them): steps per batch bucket, rows moved
@@ -211,6 +216,8 @@ class StaticDecoder:
         self._mlp_in_fn = layer_mlp_in if self._silu is None else self._mlp_in_with(layer_gate_up)
         self._residual_fn = residual_linear_
         self._advance_fn = advance_slots
+        self._seeds_fn = kernels.row_seeds
+        self._final_norm_fn = final_norm
 
     def _mlp_in_with(self, gate_up: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         """``layer_mlp_in`` as ``gate_up`` (norm + GEMM) followed by the Triton SiLU kernel."""
@@ -317,11 +324,11 @@ class StaticDecoder:
         )
         return pre, post
 
-    def _head(self, h: torch.Tensor) -> torch.Tensor:
-        """Logits in the model dtype (the sampler reads them once, in float32 inside)."""
-        return self.model.lm_head(
-            F.rms_norm(h, (h.shape[-1],), self.inner.norm.weight, self.inner.norm.variance_epsilon)
-        )
+    def _head(self, h: torch.Tensor, norm: Callable[..., torch.Tensor] | None = None) -> torch.Tensor:
+        """Logits in the model dtype (the sampler reads them once, in float32 inside); ``norm`` is
+        ``final_norm`` or its compiled copy (the decode step's)."""
+        norm = norm or final_norm
+        return self.model.lm_head(norm(h, self.inner.norm.weight, self.inner.norm.variance_epsilon))
 
     # ---- prefill ---------------------------------------------------------------------------
     @torch.no_grad()
@@ -390,9 +397,11 @@ class StaticDecoder:
         keys: torch.Tensor,
         counters: torch.Tensor,
         use_top_p: bool,
+        seeds_fn: Callable[..., torch.Tensor] = kernels.row_seeds,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One token per row of ``logits`` [N, V]; returns (token, raw logprob float32)."""
-        seeds = kernels.row_seeds(keys, counters)
+        """One token per row of ``logits`` [N, V]; returns (token, raw logprob float32).
+        ``seeds_fn`` is ``kernels.row_seeds`` or its compiled copy (the decode step's)."""
+        seeds = seeds_fn(keys, counters)
         if use_top_p:
             keep = kernels.top_p_keep(logits, temperature, top_p)
             return kernels.sample_tokens_ref(logits, temperature, seeds, keep)
@@ -435,9 +444,9 @@ class StaticDecoder:
             x = layer_post_attention(
                 x, att.reshape(nb, self.n_heads * D), post, self.eps, self._mlp_in_fn, self._residual_fn
             )
-        logits = self._head(x)
+        logits = self._head(x, self._final_norm_fn)
         tok, lp = self.sample(
-            logits, s.temperature[:nb], s.top_p[:nb], s.key[:nb], s.n_gen[:nb], self.any_top_p
+            logits, s.temperature[:nb], s.top_p[:nb], s.key[:nb], s.n_gen[:nb], self.any_top_p, self._seeds_fn
         )
         self._advance_fn(
             tok, lp, self._rows[:nb], s.cur_tok[:nb], s.pos[:nb], s.n_gen[:nb], s.max_new[:nb],
@@ -612,6 +621,11 @@ def advance_slots(
     n_gen.copy_(new_n)
     cur_tok.copy_(torch.where(still, tok, cur_tok))
     pos.copy_(pos + still.long())
+
+
+def final_norm(h: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The model's last RMS norm, before the LM head."""
+    return F.rms_norm(h, (h.shape[-1],), weight, eps)
 
 
 def layer_qkv(x: torch.Tensor, weights: tuple[Any, ...], eps: float) -> torch.Tensor:

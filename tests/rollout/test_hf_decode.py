@@ -132,6 +132,19 @@ def test_gumbel_sampling_is_exact_reproducible_and_greedy_at_zero() -> None:
     assert Counter(nucleus.tolist()).most_common(1)[0][0] == int(logits.argmax())
 
 
+# inductor's CPU backend still calls torch.jit.script_method, which warns in torch 2.13
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+def test_the_compiled_seed_hash_gives_the_eager_seeds_bit_for_bit() -> None:
+    """The decode step compiles ``row_seeds`` (one kernel instead of ~25 integer ones); its
+    multiplies wrap past 2**63 for large keys, and the 32-bit seeds must still be the eager ones,
+    or a compiled step would sample other tokens than the same request elsewhere."""
+    g = torch.Generator().manual_seed(0)
+    keys = torch.randint(0, 2**62, (4096,), generator=g)
+    keys[:4] = torch.tensor([0, 2**62 - 1, 2**32 - 1, 2**32])
+    counters = torch.randint(0, 2**20, (4096,), generator=g)
+    assert torch.equal(torch.compile(kernels.row_seeds)(keys, counters), kernels.row_seeds(keys, counters))
+
+
 KERNEL_SCRIPT = textwrap.dedent(
     """
     import json, sys, torch
