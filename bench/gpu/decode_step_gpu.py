@@ -70,6 +70,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "vearly-block32": {"v_early": True, "block_n": 32},
     "vearly-block128": {"v_early": True, "block_n": 128, "launch": {"num_stages": 2}},
     "vearly-stages1": {"v_early": True, "launch": {"num_stages": 1}},
+    "eager-tail": {"tail": "eager"},
 }
 DEFAULT_BLAS = torch.backends.cuda.preferred_blas_library()
 GROUP = 8
@@ -105,11 +106,23 @@ def time_step(dec: StaticDecoder, rows: int, context: int, steps: int, repeats: 
 
 
 def configure(
-    dec: StaticDecoder, name: str, default_split: Any, default_mlp_in: Any, rows: int, context: int
+    dec: StaticDecoder,
+    name: str,
+    default_split: Any,
+    default_mlp_in: Any,
+    default_tail: tuple[Any, Any],
+    rows: int,
+    context: int,
 ) -> None:
     cfg = CONFIGS[name]
     torch.backends.cuda.preferred_blas_library(cfg.get("blas", DEFAULT_BLAS))
     dec._mlp_in_fn = default_mlp_in
+    dec._seeds_fn, dec._final_norm_fn = default_tail
+    if cfg.get("tail") == "eager":
+        from rlkube.runtime.rollout import kernels
+        from rlkube.runtime.rollout.hf_decode import final_norm
+
+        dec._seeds_fn, dec._final_norm_fn = kernels.row_seeds, final_norm
     if cfg.get("silu") == "inductor":
         from rlkube.runtime.rollout.hf_decode import layer_mlp_in
 
@@ -158,10 +171,11 @@ def bench(
         compile_step=compile_step, kernels_setting=True, use_cuda_graphs=None,
     )  # fmt: skip
     default_split, default_mlp_in = dec._attention.split_for, dec._mlp_in_fn
+    default_tail = (dec._seeds_fn, dec._final_norm_fn)
     res = []
     base = None
     for name in args.configs.split(","):
-        configure(dec, name, default_split, default_mlp_in, rows, context)
+        configure(dec, name, default_split, default_mlp_in, default_tail, rows, context)
         try:
             t, first_s = time_step(dec, rows, context, args.steps, args.repeats)
         except Exception:
