@@ -3,7 +3,8 @@
     python bench/gpu/plot_bounds.py [bench/results]     # -> bench/results/gpu-bounds.png
 
 Reads ``rollout-gpu.json`` (decode: ``fraction_of_bound`` per model and shape) and
-``trainer-gpu.json`` (``mfu_update`` per model and job); runs anywhere matplotlib does.
+``trainer-gpu.json`` (``mfu_update`` per model and job); a file the folder lacks (a device run of
+one bench) comes from ``bench/results/``, the committed figures. Runs anywhere matplotlib does.
 """
 
 from __future__ import annotations
@@ -19,6 +20,13 @@ DECODE_TARGETS = {
     ("1.5b", "b512"): 0.50,
 }
 MFU_TARGETS = {("0.5b", "today"): 0.30, ("1.5b", "today"): 0.40}
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+
+
+def load(folder: Path, name: str) -> dict:
+    """``folder/name``, else the committed ``bench/results/name``."""
+    path = folder / name if (folder / name).exists() else RESULTS / name
+    return json.loads(path.read_text())
 
 
 def main(argv: list[str]) -> int:
@@ -27,9 +35,8 @@ def main(argv: list[str]) -> int:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    folder = Path(argv[0]) if argv else Path(__file__).resolve().parents[1] / "results"
-    rollout = json.loads((folder / "rollout-gpu.json").read_text())
-    trainer = json.loads((folder / "trainer-gpu.json").read_text())
+    folder = Path(argv[0]) if argv else RESULTS
+    rollout, trainer = load(folder, "rollout-gpu.json"), load(folder, "trainer-gpu.json")
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
 
     labels, vals, targets = [], [], []
@@ -45,7 +52,7 @@ def main(argv: list[str]) -> int:
         if t is not None:
             ax1.hlines(100 * t, x - 0.4, x + 0.4, colors="tab:red", linestyles="dashed")
     for x, v in zip(xs, vals, strict=True):
-        ax1.text(x, 100 * v + 1, f"{100 * v:.0f}%", ha="center", fontsize=8)
+        ax1.text(x, 100 * v + 1, f"{100 * v:.1f}%", ha="center", fontsize=8)
     ax1.set_xticks(list(xs), labels, fontsize=8)
     ax1.set_ylabel("% of min(memory, compute) bound")
     ax1.set_ylim(0, 100)
@@ -65,7 +72,7 @@ def main(argv: list[str]) -> int:
         if t is not None:
             ax2.hlines(100 * t, x - 0.4, x + 0.4, colors="tab:red", linestyles="dashed")
     for x, v in zip(xs, vals, strict=True):
-        ax2.text(x, 100 * v + 1, f"{100 * v:.0f}%", ha="center", fontsize=8)
+        ax2.text(x, 100 * v + 1, f"{100 * v:.1f}%", ha="center", fontsize=8)
     ax2.set_xticks(list(xs), labels, fontsize=8)
     ax2.set_ylabel("update MFU, % of measured GEMM rate")
     ax2.set_ylim(0, 100)

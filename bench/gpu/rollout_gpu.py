@@ -51,9 +51,8 @@ from rlkube.runtime.rollout.hf import HFEngine, teacher_forced_logprobs  # noqa:
 
 def reset_peak(dev: torch.device) -> None:
     """Peak-memory counters from here. The allocator keeps the blocks the warm-up call left, as
-    it does from one step of a training loop to the next: emptying its cache here made the timed
-    call pay for fresh ``cudaMalloc`` calls (each one synchronises the device), 13-39 ms of the
-    call's prefill and admission on the H200 (stop 27's phase times)."""
+    it does from one step of a training loop to the next; until stop 27 its cache was emptied
+    here, so the timed call allocated its prefill's activations afresh (``cudaMalloc``)."""
     if dev.type == "cuda":
         torch.cuda.reset_peak_memory_stats(dev)
 
