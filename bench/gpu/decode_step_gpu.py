@@ -71,6 +71,8 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "vearly-block128": {"v_early": True, "block_n": 128, "launch": {"num_stages": 2}},
     "vearly-stages1": {"v_early": True, "launch": {"num_stages": 1}},
     "eager-tail": {"tail": "eager"},
+    "prefetch": {"prefetch": True},
+    "prefetch-block32": {"prefetch": True, "block_n": 32},
 }
 DEFAULT_BLAS = torch.backends.cuda.preferred_blas_library()
 GROUP = 8
@@ -133,7 +135,7 @@ def configure(
     dec.set_shared_prompts(leaders, [shared if lead != r else 0 for r, lead in enumerate(leaders)])
     att = dec._attention
     att.block_n, att.launch = cfg.get("block_n", 64), dict(cfg.get("launch", {}))
-    att.v_early = cfg.get("v_early", False)
+    att.v_early, att.prefetch = cfg.get("v_early", False), cfg.get("prefetch", False)
     if split is None:
         att.split_for = default_split
     else:
