@@ -52,7 +52,9 @@ from rlkube.runtime.rollout.hf_decode import StaticDecoder  # noqa: E402
 # one prompt do), ``block_n`` (positions per inner-loop block) and ``launch`` (Triton's num_warps /
 # num_stages: how many programs fit on an SM, how deep the loads are pipelined); ``silu``:
 # "inductor" computes the MLP's silu(gate) * up inside inductor's compiled layer_mlp_in, as before
-# the decoder took kernels.silu_mul
+# the decoder took kernels.silu_mul; ``blas``: the GEMM library torch prefers while the step is
+# captured ("cublaslt": cuBLASLt's heuristics, not cuBLAS's); ``tail``: "eager" runs the step's
+# tail (the seeds' hash, the final norm) uncompiled, as before stop 27
 CONFIGS: dict[str, dict[str, Any]] = {
     "default": {},
     "direct": {"split": "direct"},
@@ -66,13 +68,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "block128": {"block_n": 128, "launch": {"num_stages": 2}},
     "silu-inductor": {"silu": "inductor"},
     "cublaslt": {"blas": "cublaslt"},
-    "vearly": {"v_early": True},
-    "vearly-block32": {"v_early": True, "block_n": 32},
-    "vearly-block128": {"v_early": True, "block_n": 128, "launch": {"num_stages": 2}},
-    "vearly-stages1": {"v_early": True, "launch": {"num_stages": 1}},
     "eager-tail": {"tail": "eager"},
-    "prefetch": {"prefetch": True},
-    "prefetch-block32": {"prefetch": True, "block_n": 32},
 }
 DEFAULT_BLAS = torch.backends.cuda.preferred_blas_library()
 GROUP = 8
@@ -135,7 +131,6 @@ def configure(
     dec.set_shared_prompts(leaders, [shared if lead != r else 0 for r, lead in enumerate(leaders)])
     att = dec._attention
     att.block_n, att.launch = cfg.get("block_n", 64), dict(cfg.get("launch", {}))
-    att.v_early, att.prefetch = cfg.get("v_early", False), cfg.get("prefetch", False)
     if split is None:
         att.split_for = default_split
     else:

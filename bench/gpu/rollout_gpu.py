@@ -112,9 +112,6 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
         kernels={"auto": "auto", "on": True, "off": False}[args.kernels],
         share_prompt_reads=args.share_prompt == "on",
     )
-    if engine.decoder._attention is not None:  # the attention kernel's load-order A/Bs
-        engine.decoder._attention.v_early = args.v_early == "on"
-        engine.decoder._attention.prefetch = args.prefetch == "on"
     try:
         engine.generate(make_requests("w", vocab, warm_p, warm_r, samples, seed=2))  # compiles, captures
         common.sync(dev)
@@ -299,14 +296,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--share-prompt", choices=["on", "off"], default="on",
         help="a prompt's samples read its K/V from one row (the attention kernel)",
-    )  # fmt: skip
-    ap.add_argument(
-        "--v-early", choices=["on", "off"], default="off",
-        help="the attention kernel loads a block's V beside its K (decode-step bench's vearly)",
-    )  # fmt: skip
-    ap.add_argument(
-        "--prefetch", choices=["on", "off"], default="off",
-        help="the attention kernel loads the next block's K and V ahead (decode-step bench's prefetch)",
     )  # fmt: skip
     ap.add_argument("--skip-generate", action="store_true")
     ap.add_argument("--profile", action="store_true", help="kernel tables of the b64 and b512 decode (GPU)")

@@ -166,70 +166,30 @@ if HAVE_TRITON:
     _GUMBEL_BOUND = tl.constexpr(GUMBEL_BOUND)
 
     @triton.jit
-    def _online_block(q, k, v, nmask, m_i, l_i, acc, scale, IEEE: tl.constexpr):
-        """One block of online softmax: scores of ``q`` against ``k``, then ``v`` weighted in."""
-        if IEEE:  # noqa: SIM108 - a constexpr branch inside a Triton kernel
-            s = tl.dot(q, tl.trans(k), input_precision="ieee")
-        else:
-            s = tl.dot(q, tl.trans(k))
-        s = tl.where(nmask[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp(s - m_new[:, None])
-        alpha = tl.exp(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if IEEE:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-        else:
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        return m_new, l_i, acc
-
-    @triton.jit
     def _attend(q, k_base, v_base, start, end, sk_s, sv_s, m_i, l_i, acc, scale, BLOCK_N: tl.constexpr,
-                D: tl.constexpr, IEEE: tl.constexpr, V_EARLY: tl.constexpr,
-                PREFETCH: tl.constexpr):  # fmt: skip
-        """Online-softmax attention of the queries ``q`` [G, D] over cached positions [start, end).
-        ``V_EARLY`` issues a block's V load beside its K load, before the scores (both reads in
-        flight at once), instead of after the softmax; ``PREFETCH`` also issues the next block's
-        K and V loads before this block's maths (loads one block ahead, by hand)."""
+                D: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+        """Online-softmax attention of the queries ``q`` [G, D] over cached positions [start, end)."""
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, D)
-        if PREFETCH:
-            n = start + offs_n
+        for n0 in range(start, end, BLOCK_N):
+            n = n0 + offs_n
             nmask = n < end
             k = tl.load(k_base + n[:, None] * sk_s + offs_d[None, :], mask=nmask[:, None], other=0.0)
+            if IEEE:  # noqa: SIM108 - a constexpr branch inside a Triton kernel
+                s = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                s = tl.dot(q, tl.trans(k))
+            s = tl.where(nmask[None, :], s * scale, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            p = tl.exp(s - m_new[:, None])
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
             v = tl.load(v_base + n[:, None] * sv_s + offs_d[None, :], mask=nmask[:, None], other=0.0)
-            for _ in range(start, end, BLOCK_N):
-                n_next = n + BLOCK_N
-                next_mask = n_next < end
-                k_next = tl.load(k_base + n_next[:, None] * sk_s + offs_d[None, :], mask=next_mask[:, None],
-                                 other=0.0)  # fmt: skip
-                v_next = tl.load(v_base + n_next[:, None] * sv_s + offs_d[None, :], mask=next_mask[:, None],
-                                 other=0.0)  # fmt: skip
-                m_i, l_i, acc = _online_block(q, k, v, nmask, m_i, l_i, acc, scale, IEEE)
-                k, v, n, nmask = k_next, v_next, n_next, next_mask
-        else:
-            for n0 in range(start, end, BLOCK_N):
-                n = n0 + offs_n
-                nmask = n < end
-                k = tl.load(k_base + n[:, None] * sk_s + offs_d[None, :], mask=nmask[:, None], other=0.0)
-                if V_EARLY:
-                    v = tl.load(v_base + n[:, None] * sv_s + offs_d[None, :], mask=nmask[:, None], other=0.0)
-                if IEEE:  # noqa: SIM108 - a constexpr branch inside a Triton kernel
-                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
-                else:
-                    s = tl.dot(q, tl.trans(k))
-                s = tl.where(nmask[None, :], s * scale, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(s, 1))
-                p = tl.exp(s - m_new[:, None])
-                alpha = tl.exp(m_i - m_new)
-                l_i = l_i * alpha + tl.sum(p, 1)
-                if not V_EARLY:
-                    v = tl.load(v_base + n[:, None] * sv_s + offs_d[None, :], mask=nmask[:, None], other=0.0)
-                if IEEE:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
-                else:
-                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-                m_i = m_new
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
         return m_i, l_i, acc
 
     @triton.jit
@@ -290,8 +250,6 @@ if HAVE_TRITON:
         IEEE: tl.constexpr,
         DIRECT: tl.constexpr,
         SHARE: tl.constexpr,
-        V_EARLY: tl.constexpr,
-        PREFETCH: tl.constexpr,
     ):
         """One (row, KV head, split) program: RoPE on q and the new k, the new k and v written at
         the row's position ``POS`` (by the split holding it), attention over the cached positions
@@ -326,11 +284,11 @@ if HAVE_TRITON:
                 own = tl.minimum(tl.maximum(shared_end, start), end)
                 m_i, l_i, acc = _attend(
                     q, K + src * sk_b + h * sk_h, V + src * sv_b + h * sv_h, start, own,
-                    sk_s, sv_s, m_i, l_i, acc, scale, BLOCK_N, D, IEEE, V_EARLY, PREFETCH,
+                    sk_s, sv_s, m_i, l_i, acc, scale, BLOCK_N, D, IEEE,
                 )  # fmt: skip
             m_i, l_i, acc = _attend(
                 q, K + b * sk_b + h * sk_h, V + b * sv_b + h * sv_h, own, end,
-                sk_s, sv_s, m_i, l_i, acc, scale, BLOCK_N, D, IEEE, V_EARLY, PREFETCH,
+                sk_s, sv_s, m_i, l_i, acc, scale, BLOCK_N, D, IEEE,
             )  # fmt: skip
             if pos < start + SPLIT:  # this split holds the new token: store its k, v and attend to it
                 k_new = _rope_row(row, (N_HEADS + h) * D, c, sn, D).to(K.dtype.element_ty)
@@ -549,10 +507,6 @@ class TritonDecodeAttention:
         # Triton launch options (num_warps, num_stages); empty: Triton's defaults (the benchmark's
         # A/B sets others)
         self.launch: dict[str, int] = {}
-        # load a block's V beside its K (two reads in flight per program) rather than after the
-        # scores; an A/B of the decode-step benchmark until measured
-        self.v_early = False
-        self.prefetch = False  # and the next block's K and V before this block's maths
         self.block_g = max(16, _next_pow2(group))
         self.group, self.d, self.n_kv, self.max_seq = group, head_dim, n_kv, max_seq
         # partials of the largest (rows x splits) any call can use, laid out per call
@@ -618,8 +572,7 @@ class TritonDecodeAttention:
             out.stride(0), out.stride(1), out.stride(2),
             n_splits, g, 1.0 / math.sqrt(d),
             N_HEADS=n_heads, SPLIT=split, BLOCK_N=self.block_n, BLOCK_G=self.block_g, D=d,
-            IEEE=qkv.dtype == torch.float32, DIRECT=n_splits == 1, SHARE=share,
-            V_EARLY=self.v_early, PREFETCH=self.prefetch, **self.launch,
+            IEEE=qkv.dtype == torch.float32, DIRECT=n_splits == 1, SHARE=share, **self.launch,
         )  # fmt: skip
         return self._combine(out, pos, n_splits, split)
 

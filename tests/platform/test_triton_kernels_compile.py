@@ -44,15 +44,11 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     }
     # Qwen2.5-0.5B: 14 query heads on 2 KV heads of 64; 1.5B: 12 on 2 of 128
     for n_heads, d in ((14, 64), (12, 128)):
-        for direct, share, v_early, prefetch in (
-            (False, False, False, False), (False, True, False, False), (True, True, False, False),
-            (True, True, True, False), (True, True, False, True),
-        ):  # fmt: skip
+        for direct, share in ((False, False), (False, True), (True, True)):
             consts = dict(
-                N_HEADS=n_heads, SPLIT=64, BLOCK_N=64, BLOCK_G=16, D=d, IEEE=False, DIRECT=direct,
-                SHARE=share, V_EARLY=v_early, PREFETCH=prefetch,
-            )  # fmt: skip
-            name = f"rope attention D={d} direct={direct} share={share} v_early={v_early} prefetch={prefetch}"
+                N_HEADS=n_heads, SPLIT=64, BLOCK_N=64, BLOCK_G=16, D=d, IEEE=False, DIRECT=direct, SHARE=share
+            )
+            name = f"rope attention D={d} direct={direct} share={share}"
             out.append((name, decode._rope_attn_split_kernel, attn_ptrs, consts))
         combine_ptrs = {
             **dict.fromkeys(("O_PART", "M_PART", "L_PART"), "*fp32"),

@@ -155,12 +155,6 @@ KERNEL_SCRIPT = textwrap.dedent(
         att = K.TritonDecodeAttention(5, 2, 7, 64, 600, cpu)  # 14 query heads on 2 KV heads
         out[f"attention_{dtype}"] = K.self_check("attention", att, cpu, rows=5, n_kv=2, group=7, d=64,
                                                 seq=600, dtype=dtype)
-        att.v_early = True  # V's load issued beside K's: the same maths
-        out[f"attention_v_early_{dtype}"] = K.self_check("attention", att, cpu, rows=5, n_kv=2, group=7,
-                                                        d=64, seq=600, dtype=dtype)
-        att.v_early, att.prefetch = False, True  # and loads one block ahead
-        out[f"attention_prefetch_{dtype}"] = K.self_check("attention", att, cpu, rows=5, n_kv=2, group=7,
-                                                         d=64, seq=600, dtype=dtype)
         smp = K.TritonSampler(6, 20000, cpu)
         out[f"sample_{dtype}"] = K.self_check("sample", smp, cpu, rows=6, vocab=20000, dtype=dtype)
         out[f"silu_{dtype}"] = K.self_check("silu", K.silu_mul, cpu, rows=3, inter=700, dtype=dtype)
@@ -301,10 +295,6 @@ def test_triton_kernels_match_their_references_in_the_interpreter(
     for key in (
         "attention_torch.float32",
         "attention_torch.float16",
-        "attention_v_early_torch.float32",
-        "attention_v_early_torch.float16",
-        "attention_prefetch_torch.float32",
-        "attention_prefetch_torch.float16",
         "sample_torch.float32",
         "sample_torch.float16",
         "silu_torch.float32",
