@@ -502,11 +502,12 @@ class HFEngine(ThreadedEngine):
         keys = torch.tensor([w.key for w in works], dtype=torch.long, device=dev)
         zeros = torch.zeros(len(works), dtype=torch.long, device=dev)
         tok, lp = d.sample(logits[src], temp, top_p, keys, zeros, any(t < 1 for t in top_p_host))
-        stops = torch.full((len(works), s.stop_ids.shape[1]), -1, dtype=torch.long)
-        for j, w in enumerate(works):
-            ids = w.params.stop_token_ids
-            stops[j, : len(ids)] = torch.tensor(ids, dtype=torch.long)
-        stops = stops.to(dev)
+        width = s.stop_ids.shape[1]  # one tensor for every row (a tensor op per row was ~20 us each)
+        stops = torch.tensor(
+            [[*ids, *[-1] * (width - len(ids))] for ids in (w.params.stop_token_ids for w in works)],
+            dtype=torch.long,
+            device=dev,
+        )
         max_new = torch.tensor([w.params.max_tokens for w in works], dtype=torch.long, device=dev)
         plen = torch.tensor([len(w.prefix) for w in works], dtype=torch.long, device=dev)
         hit = (stops == tok[:, None]).any(-1)

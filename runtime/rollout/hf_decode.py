@@ -363,9 +363,7 @@ class StaticDecoder:
     def _prefill_chunk(self, prompts: list[Sequence[int]], groups: list[Sequence[int]]) -> torch.Tensor:
         g, P, D, dev = len(prompts), max(len(p) for p in prompts), self.head_dim, self.device
         self.prefill_forwards += 1
-        ids = torch.zeros(g, P, dtype=torch.long)
-        for i, p in enumerate(prompts):
-            ids[i, : len(p)] = torch.as_tensor(list(p), dtype=torch.long)
+        ids = torch.tensor([[*p, *[0] * (P - len(p))] for p in prompts], dtype=torch.long)
         lens = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)
         slot_idx = torch.tensor([s for grp in groups for s in grp], dtype=torch.long, device=dev)
         src = torch.tensor([i for i, grp in enumerate(groups) for _ in grp], dtype=torch.long, device=dev)
