@@ -425,6 +425,8 @@ class HFEngine(ThreadedEngine):
                 self._cv.notify_all()
 
     def _timed(self, phase: str, fn: Callable[..., None], *args: Any) -> None:
+        """``fn(*args)``, bracketed by CUDA events while a benchmark collects ``phase_events``
+        (events, not host clocks: the device's timeline is what the bound is about)."""
         events = self.phase_events
         if events is None or self.device.type != "cuda":
             fn(*args)
