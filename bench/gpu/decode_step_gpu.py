@@ -25,6 +25,7 @@ timings of ``--steps`` replays), its fraction of the step's bound (``roofline.de
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
@@ -274,6 +275,112 @@ def bench_sampler(
     return out
 
 
+# the attention kernel's launch settings timed alone (same inputs, same run): positions per inner
+# block, Triton's num_warps / num_stages, a register cap per thread (``maxnreg``: more programs
+# resident per SM, at the price of spills) and the split ("direct": one program per row and KV head)
+ATTENTION_VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},
+    "w4s2": {"launch": {"num_warps": 4, "num_stages": 2}},
+    "w4s1": {"launch": {"num_warps": 4, "num_stages": 1}},
+    "w2s2": {"launch": {"num_warps": 2, "num_stages": 2}},
+    "w2s3": {"launch": {"num_warps": 2, "num_stages": 3}},
+    "w8s2": {"launch": {"num_warps": 8, "num_stages": 2}},
+    "w4s2r96": {"launch": {"num_warps": 4, "num_stages": 2, "maxnreg": 96}},
+    "w4s2r80": {"launch": {"num_warps": 4, "num_stages": 2, "maxnreg": 80}},
+    "w4s3r96": {"launch": {"num_warps": 4, "num_stages": 3, "maxnreg": 96}},
+    "b32w4s2": {"block_n": 32, "launch": {"num_warps": 4, "num_stages": 2}},
+    "b32w4s3": {"block_n": 32, "launch": {"num_warps": 4, "num_stages": 3}},
+    "b32w2s3": {"block_n": 32, "launch": {"num_warps": 2, "num_stages": 3}},
+    "b32w4s2r80": {"block_n": 32, "launch": {"num_warps": 4, "num_stages": 2, "maxnreg": 80}},
+    "b32w4s2r64": {"block_n": 32, "launch": {"num_warps": 4, "num_stages": 2, "maxnreg": 64}},
+    "b128w8s2": {"block_n": 128, "launch": {"num_warps": 8, "num_stages": 2}},
+    "split64": {"split": 64},
+    "split128": {"split": 128},
+    "split64w4s2": {"split": 64, "launch": {"num_warps": 4, "num_stages": 2}},
+}
+# (rows, context of every row, cache length) per shape: today's job (64 rows), the batch-512 target,
+# and long RL responses (contexts spread over [context / 2, 3 context / 2])
+ATTENTION_SHAPES = {"b64": (64, 192, 384), "b512": (512, 192, 384), "b512-long": (512, 700, 1408)}
+
+
+def bench_attention(
+    n_heads: int,
+    n_kv: int,
+    d: int,
+    dev: torch.device,
+    read_bps: float,
+    repeats: int,
+    names: list[str],
+    shapes: list[str],
+    calls: int = 20,
+) -> list[dict[str, Any]]:
+    """The rope-attention kernel alone, each of ATTENTION_VARIANTS on the same inputs (groups of 8
+    rows sharing a 64-position prompt, as a rollout's samples do), against the read of the bytes it
+    needs: each group's prompt K/V once, every row's own K/V, the q/k/v rows, the output."""
+    from rlkube.runtime.rollout import kernels
+
+    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    group = n_heads // n_kv
+    out: list[dict[str, Any]] = []
+    for shape in shapes:
+        rows, context, seq = ATTENTION_SHAPES[shape]
+        if dev.type == "cpu":
+            rows, context, seq = 8, 40, 128
+        if "long" in shape:
+            pos = torch.randint(context // 2, 3 * context // 2, (rows,), generator=g).clamp(max=seq - 1)
+        else:
+            pos = torch.full((rows,), context)
+        lead = torch.arange(rows) - torch.arange(rows) % GROUP
+        # below its group's first row's position (where no call writes), up to a 64-token prompt
+        shared = torch.where(lead == torch.arange(rows), 0, torch.minimum(pos, pos[lead]).clamp(max=64))
+        qkv = torch.randn(rows, (n_heads + 2 * n_kv) * d, generator=g).to(dev, dtype)
+        ang = torch.arange(seq)[:, None] * torch.rand(d // 2, generator=g)[None]
+        cos = torch.cat([ang.cos(), ang.cos()], -1).to(dev, dtype)
+        ssin = torch.cat([-ang.sin(), ang.sin()], -1).to(dev, dtype)
+        kc = torch.randn(rows, n_kv, seq, d, generator=g)
+        vc = torch.randn(rows, n_kv, seq, d, generator=g)
+        for r in range(rows):  # a group's rows hold the same prompt K/V (prefill wrote it to each)
+            n = int(shared[r])
+            kc[r, :, :n], vc[r, :, :n] = kc[lead[r], :, :n], vc[lead[r], :, :n]
+        kc, vc = kc.to(dev, dtype), vc.to(dev, dtype)
+        pos_d, lead_d, shared_d = pos.to(dev), lead.to(dev), shared.to(dev)
+        inputs = (qkv, cos, ssin, pos_d, kc, vc)
+        el = kc.element_size()
+        kv_bytes = 2 * n_kv * d * el * int((pos + 1 - shared).sum())  # own K/V, the new token's included
+        needed = kv_bytes + qkv.numel() * el + rows * n_heads * d * el
+        want = None
+        for name in names:
+            cfg = ATTENTION_VARIANTS[name]
+            att = kernels.TritonDecodeAttention(rows, n_kv, group, d, seq, dev)
+            att.block_n, att.launch = cfg.get("block_n", 64), dict(cfg.get("launch", {}))
+            split = cfg.get("split")
+
+            call = functools.partial(
+                att.rope_attend, *inputs, n_heads, split=split, share_row=lead_d, share_len=shared_d
+            )
+            try:
+                got = call().float()
+                times = _timed_calls(call, dev, calls, repeats)
+            except Exception as exc:
+                err = f"{type(exc).__name__}: {exc}"[:1500]
+                out.append({"attention": shape, "variant": name, "error": err})
+                print(json.dumps(out[-1]), flush=True)
+                continue
+            want = got if want is None else want
+            t = statistics.median(times)
+            out.append({
+                "attention": shape, "variant": name, "heads": n_heads, "kv_heads": n_kv, "head_dim": d,
+                "rows": rows, "mean_context": float(pos.float().mean()),
+                "split": split or att.split_for(rows),
+                "us": 1e6 * t, "us_range": [1e6 * min(times), 1e6 * max(times)], "bytes_needed": needed,
+                "fraction_of_read_bound": needed / read_bps / t,
+                "max_abs_diff_vs_first": float((got - want).abs().max()),
+            })  # fmt: skip
+            print(json.dumps(out[-1]), flush=True)
+    return out
+
+
 def capture_failure_check(dev: torch.device) -> dict[str, Any]:
     """A decode step that CUDA refuses to capture (a host sync inside it): the engine must record
     why, decode the same tokens without graphs, and leave the device's random numbers usable (in
@@ -333,6 +440,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-capture-check", dest="capture_check", action="store_false")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument(
+        "--attention", default="",
+        help="attention variants to time alone (comma-separated names of ATTENTION_VARIANTS, or 'all')",
+    )  # fmt: skip
+    ap.add_argument("--attention-shapes", default=",".join(ATTENTION_SHAPES))
+    ap.add_argument(
         "--smoke", action="store_true", help="tiny shapes on the CPU (run with TRITON_INTERPRET=1)"
     )
     args = ap.parse_args(argv)
@@ -362,6 +474,16 @@ def main(argv: list[str] | None = None) -> int:
             rows, vocab, dev, ceil["read_bandwidth_gbs"] * 1e9, args.repeats, calls=1 if args.smoke else 20
         )
     ]
+    if args.attention:
+        names = list(ATTENTION_VARIANTS) if args.attention == "all" else args.attention.split(",")
+        report["attention"] = []
+        # Qwen2.5-0.5B: 14 query heads on 2 KV heads of 64; 1.5B: 12 on 2 of 128
+        for n_heads, n_kv, d in ((14, 2, 64), (12, 2, 128)) if not args.smoke else ((2, 1, 64),):
+            report["attention"] += bench_attention(
+                n_heads, n_kv, d, dev, ceil["read_bandwidth_gbs"] * 1e9, args.repeats, names,
+                args.attention_shapes.split(","), calls=1 if args.smoke else 20,
+            )  # fmt: skip
+            save()
     report["capture_failure"] = (
         capture_failure_check(dev) if args.capture_check else {"ran": False, "why": "--no-capture-check"}
     )
@@ -396,6 +518,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{100 * r['fraction_of_read_bound']:5.1f}% of the logits' read bound"
             + ("" if r["same_tokens_as_first_variant"] else "  DIFFERENT TOKENS")
         )
+    for r in report.get("attention", []):
+        if "error" in r:
+            print(f"attention {r['attention']:<10} {r['variant']:<12} {r['error'][:200]}")
+        else:
+            print(
+                f"attention D={r['head_dim']:<3} {r['attention']:<10} {r['variant']:<12}: {r['us']:7.1f} us, "
+                f"{100 * r['fraction_of_read_bound']:5.1f}% of its read bound, "
+                f"max diff vs first {r['max_abs_diff_vs_first']:.3g}"
+            )
     cf = report["capture_failure"]
     recovered = not cf["ran"] or all(cf[k] for k in CAPTURE_FAILURE_CHECKS)
     print(f"aborted graph capture: {'recovers' if recovered else 'DOES NOT RECOVER'} {cf}")
