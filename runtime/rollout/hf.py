@@ -503,7 +503,8 @@ class HFEngine(ThreadedEngine):
         top_p = torch.tensor(top_p_host, dtype=torch.float32, device=dev)
         keys = torch.tensor([w.key for w in works], dtype=torch.long, device=dev)
         zeros = torch.zeros(len(works), dtype=torch.long, device=dev)
-        tok, lp = d.sample(logits[src], temp, top_p, keys, zeros, any(t < 1 for t in top_p_host))
+        use_top_p = any(t < 1 for t in top_p_host)
+        tok, lp = d.sample(logits[src], temp, top_p, keys, zeros, use_top_p, d._seeds_fn)
         width = s.stop_ids.shape[1]  # one tensor for every row (a tensor op per row was ~20 us each)
         stops = torch.tensor(
             [[*ids, *[-1] * (width - len(ids))] for ids in (w.params.stop_token_ids for w in works)],

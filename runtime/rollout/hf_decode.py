@@ -356,8 +356,16 @@ class StaticDecoder:
                     break
                 longest, end = longest2, end + 1
             chunk = order[start:end]
-            out.append(self._prefill_chunk([prompts[i] for i in chunk], [slot_groups[i] for i in chunk]))
+            args = ([prompts[i] for i in chunk], [slot_groups[i] for i in chunk])
             start = end
+            if not self.compiled:
+                out.append(self._prefill_chunk(*args))
+                continue
+            try:  # the step's compiled functions; a rerun rewrites the same K/V
+                out.append(self._prefill_chunk(*args))
+            except Exception:  # inductor/triton failures surface as many exception types
+                self._go_eager("prefill")
+                out.append(self._prefill_chunk(*args))
         return torch.cat(out)
 
     def _prefill_chunk(self, prompts: list[Sequence[int]], groups: list[Sequence[int]]) -> torch.Tensor:
@@ -367,24 +375,25 @@ class StaticDecoder:
         lens = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)
         slot_idx = torch.tensor([s for grp in groups for s in grp], dtype=torch.long, device=dev)
         src = torch.tensor([i for i, grp in enumerate(groups) for _ in grp], dtype=torch.long, device=dev)
-        x = self.inner.embed_tokens(ids.to(dev))  # [g, P, H]
+        # rows [g * P, H], as the decode step's: its compiled norm + GEMM and MLP functions serve
+        # the prefill too (one launch where eager ran several; the host's launches were its cost)
+        x = self.inner.embed_tokens(ids.to(dev)).view(g * P, -1)
         cos, sin = self.cos[:P], self.sin[:P]
+        nq, nk, nqk = self.n_heads * D, self.n_kv * D, self.n_heads + self.n_kv
         for i in range(len(self.layers)):
-            (norm1, w_qkv, b_qkv), post = self._layer_weights(i)
-            h = F.rms_norm(x, (x.shape[-1],), norm1, self.eps)
-            qkv = F.linear(h, w_qkv, b_qkv)
-            nq, nk = self.n_heads * D, self.n_kv * D
-            q = kernels.rope(qkv[..., :nq].view(g, P, self.n_heads, D).transpose(1, 2), cos, sin)
-            k = kernels.rope(qkv[..., nq : nq + nk].view(g, P, self.n_kv, D).transpose(1, 2), cos, sin)
+            pre, post = self._layer_weights(i)
+            qkv = self._qkv_fn(x, pre, self.eps).view(g, P, -1)
+            # q and k rotated together: [g, H + Hkv, P, D]
+            qk = kernels.rope(qkv[..., : nq + nk].view(g, P, nqk, D).transpose(1, 2), cos, sin)
+            q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
             v = qkv[..., nq + nk :].view(g, P, self.n_kv, D).transpose(1, 2)
             self.k_cache[i][slot_idx, :, :P] = k[src]
             self.v_cache[i][slot_idx, :, :P] = v[src]
-            kk = k.repeat_interleave(self.group, dim=1)
-            vv = v.repeat_interleave(self.group, dim=1)
-            att = F.scaled_dot_product_attention(q, kk, vv, is_causal=True)
-            x = layer_post_attention(x, att.transpose(1, 2).reshape(g, P, self.n_heads * D), post, self.eps)
-        last = x[torch.arange(g, device=dev), lens - 1]
-        return self._head(last)
+            att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+            att = att.transpose(1, 2).reshape(g * P, self.n_heads * D)
+            x = layer_post_attention(x, att, post, self.eps, self._mlp_in_fn, self._residual_fn)
+        last = x.view(g, P, -1)[torch.arange(g, device=dev), lens - 1]
+        return self._head(last, self._final_norm_fn)
 
     # ---- sampling --------------------------------------------------------------------------
     def sample(
@@ -494,13 +503,17 @@ class StaticDecoder:
             self._decode_step(nb, kv_len)
             self._compiled_ok.add((nb, kv_len))
         except Exception:  # inductor/triton failures surface as many exception types
-            self.compile_error = traceback.format_exc()
-            log.warning("torch.compile of the decode step failed; decoding eagerly:\n%s", self.compile_error)
+            self._go_eager("decode step")
             self._restore(snap)
-            self.compiled = False
-            self._use_eager_functions()
-            self.drop_graphs()
             self._decode_step(nb, kv_len)
+
+    def _go_eager(self, where: str) -> None:
+        """After a compiled function failed (in a step or a prefill): eager from now on, why kept."""
+        self.compile_error = traceback.format_exc()
+        log.warning("torch.compile failed in the %s; eager from now on:\n%s", where, self.compile_error)
+        self.compiled = False
+        self._use_eager_functions()
+        self.drop_graphs()
 
     def _capture(self, nb: int, kv_len: int) -> torch.cuda.CUDAGraph | None:
         """A CUDA graph of the step, or None once capture has failed: then the reason is kept in

@@ -166,14 +166,19 @@ if HAVE_TRITON:
     _GUMBEL_BOUND = tl.constexpr(GUMBEL_BOUND)
 
     @triton.jit
-    def _attend(q, k_base, v_base, start, end, sk_s, sv_s, m_i, l_i, acc, scale, BLOCK_N: tl.constexpr,
-                D: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
-        """Online-softmax attention of the queries ``q`` [G, D] over cached positions [start, end)."""
+    def _attend(q, k_own, v_own, k_src, v_src, start, shared_end, end, sk_s, sv_s, m_i, l_i, acc, scale,
+                BLOCK_N: tl.constexpr, D: tl.constexpr, IEEE: tl.constexpr):  # fmt: skip
+        """Online-softmax attention of the queries ``q`` [G, D] over cached positions [start, end):
+        those below ``shared_end`` (a block boundary) from ``k_src`` / ``v_src``, the rest from
+        ``k_own`` / ``v_own``. One loop, so one set of pipeline buffers and registers."""
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, D)
         for n0 in range(start, end, BLOCK_N):
             n = n0 + offs_n
             nmask = n < end
+            from_src = n0 < shared_end
+            k_base = tl.where(from_src, k_src, k_own)
+            v_base = tl.where(from_src, v_src, v_own)
             k = tl.load(k_base + n[:, None] * sk_s + offs_d[None, :], mask=nmask[:, None], other=0.0)
             if IEEE:  # noqa: SIM108 - a constexpr branch inside a Triton kernel
                 s = tl.dot(q, tl.trans(k), input_precision="ieee")
@@ -277,17 +282,14 @@ if HAVE_TRITON:
             q_p = tl.load(row + qcol + (offs_d[None, :] + D // 2) % D, mask=gmask[:, None], other=0.0)
             q = (q * c[None, :] + q_p.to(tl.float32) * sn[None, :]).to(K.dtype.element_ty)
             end = tl.minimum(start + SPLIT, pos)
-            own = start
+            k_own, v_own = K + b * sk_b + h * sk_h, V + b * sv_b + h * sv_h
+            k_src, v_src, shared_end = k_own, v_own, start
             if SHARE:  # block-aligned, so the blocks and the sums are the same as reading the row's own copy
                 src = tl.load(SHARE_ROW + b)
+                k_src, v_src = K + src * sk_b + h * sk_h, V + src * sv_b + h * sv_h
                 shared_end = tl.load(SHARE_LEN + b).to(tl.int32) // BLOCK_N * BLOCK_N
-                own = tl.minimum(tl.maximum(shared_end, start), end)
-                m_i, l_i, acc = _attend(
-                    q, K + src * sk_b + h * sk_h, V + src * sv_b + h * sv_h, start, own,
-                    sk_s, sv_s, m_i, l_i, acc, scale, BLOCK_N, D, IEEE,
-                )  # fmt: skip
             m_i, l_i, acc = _attend(
-                q, K + b * sk_b + h * sk_h, V + b * sv_b + h * sv_h, own, end,
+                q, k_own, v_own, k_src, v_src, start, shared_end, end,
                 sk_s, sv_s, m_i, l_i, acc, scale, BLOCK_N, D, IEEE,
             )  # fmt: skip
             if pos < start + SPLIT:  # this split holds the new token: store its k, v and attend to it
