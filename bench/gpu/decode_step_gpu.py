@@ -131,7 +131,7 @@ def configure(
     leaders = [r - r % GROUP for r in range(rows)]
     dec.set_shared_prompts(leaders, [shared if lead != r else 0 for r, lead in enumerate(leaders)])
     att = dec._attention
-    att.block_n, att.launch = cfg.get("block_n", 64), dict(cfg.get("launch", {}))
+    att.block_n, att.launch = cfg.get("block_n", 64), cfg.get("launch")
     if split is None:
         att.split_for = default_split
     else:
@@ -279,7 +279,8 @@ def bench_sampler(
 # block, Triton's num_warps / num_stages, a register cap per thread (``maxnreg``: more programs
 # resident per SM, at the price of spills) and the split ("direct": one program per row and KV head)
 ATTENTION_VARIANTS: dict[str, dict[str, Any]] = {
-    "default": {},
+    "default": {},  # the kernel's policy (TritonDecodeAttention.launch_for)
+    "w4s3": {"launch": {}},  # Triton's defaults everywhere (the policy until stop 28)
     "w4s2": {"launch": {"num_warps": 4, "num_stages": 2}},
     "w4s1": {"launch": {"num_warps": 4, "num_stages": 1}},
     "w2s2": {"launch": {"num_warps": 2, "num_stages": 2}},
@@ -353,7 +354,7 @@ def bench_attention(
         for name in names:
             cfg = ATTENTION_VARIANTS[name]
             att = kernels.TritonDecodeAttention(rows, n_kv, group, d, seq, dev)
-            att.block_n, att.launch = cfg.get("block_n", 64), dict(cfg.get("launch", {}))
+            att.block_n, att.launch = cfg.get("block_n", 64), cfg.get("launch")
             split = cfg.get("split")
 
             call = functools.partial(

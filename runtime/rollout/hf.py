@@ -573,8 +573,8 @@ class HFEngine(ThreadedEngine):
         slots = [i for i, w in enumerate(self._slots) if w is not None]
         if not slots:
             return
-        running = self.decoder.state.running[slots].tolist()
-        done = [i for i, r in zip(slots, running, strict=True) if not r]
+        running = self.decoder.state.running[: slots[-1] + 1].tolist()  # one copy, no index upload
+        done = [i for i in slots if not running[i]]
         if done:
             self._finished.extend(self._collect(done, aborted=False))
 

@@ -506,9 +506,9 @@ class TritonDecodeAttention:
         if head_dim & (head_dim - 1) or head_dim < 16:
             raise ValueError(f"head_dim {head_dim} must be a power of two >= 16 for the Triton decode kernel")
         self.block_n = 64
-        # Triton launch options (num_warps, num_stages); empty: Triton's defaults (the benchmark's
-        # A/B sets others)
-        self.launch: dict[str, int] = {}
+        # Triton launch options (num_warps, num_stages, maxnreg) for every call; None: the policy
+        # of ``launch_for`` (the benchmark's A/B sets others)
+        self.launch: dict[str, int] | None = None
         self.block_g = max(16, _next_pow2(group))
         self.group, self.d, self.n_kv, self.max_seq = group, head_dim, n_kv, max_seq
         # partials of the largest (rows x splits) any call can use, laid out per call
@@ -519,6 +519,17 @@ class TritonDecodeAttention:
         self.m_part = torch.empty(size * self.block_g, dtype=torch.float32, device=device)
         self.l_part = torch.empty(size * self.block_g, dtype=torch.float32, device=device)
         self.o_part = torch.empty(size * self.block_g * self.d, dtype=torch.float32, device=device)
+
+    def launch_for(self, rows: int, n_splits: int) -> dict[str, int]:
+        """Triton's defaults (4 warps, 3 stages), except for 64-wide heads read whole by many rows:
+        there 2 warps and 2 stages, more programs per SM (H100, attention alone, 512 rows at
+        context 192, 0.5B heads: 14.2 vs 17.2 us; slower at 64 rows, at long contexts and with
+        128-wide heads, so only there; ``decode_step_gpu.py --attention``)."""
+        if self.launch is not None:
+            return self.launch
+        if self.d <= 64 and rows >= 256 and n_splits == 1:
+            return {"num_warps": 2, "num_stages": 2}
+        return {}
 
     def split_for(self, rows: int) -> int:
         """Positions per program: the whole cache up to ``DIRECT_MAX_SEQ``, else the smallest power
@@ -574,7 +585,8 @@ class TritonDecodeAttention:
             out.stride(0), out.stride(1), out.stride(2),
             n_splits, g, 1.0 / math.sqrt(d),
             N_HEADS=n_heads, SPLIT=split, BLOCK_N=self.block_n, BLOCK_G=self.block_g, D=d,
-            IEEE=qkv.dtype == torch.float32, DIRECT=n_splits == 1, SHARE=share, **self.launch,
+            IEEE=qkv.dtype == torch.float32, DIRECT=n_splits == 1, SHARE=share,
+            **self.launch_for(b, n_splits),
         )  # fmt: skip
         return self._combine(out, pos, n_splits, split)
 

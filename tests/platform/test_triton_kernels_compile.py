@@ -50,6 +50,14 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
             )
             name = f"rope attention D={d} direct={direct} share={share}"
             out.append((name, decode._rope_attn_split_kernel, attn_ptrs, consts))
+        # the launch policy's other setting (TritonDecodeAttention.launch_for: 64-wide heads, many rows)
+        consts = dict(
+            N_HEADS=n_heads, SPLIT=512, BLOCK_N=64, BLOCK_G=16, D=d, IEEE=False, DIRECT=True, SHARE=True
+        )
+        name = f"rope attention D={d} direct, 2 warps 2 stages"
+        out.append(
+            (name, decode._rope_attn_split_kernel, attn_ptrs, {**consts, "num_warps": 2, "num_stages": 2})
+        )
         combine_ptrs = {
             **dict.fromkeys(("O_PART", "M_PART", "L_PART"), "*fp32"),
             "POS": "*i64",
@@ -89,6 +97,8 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
 
 
 def _compile(kernel: Any, types: dict[str, str], consts: dict[str, Any], target: Any) -> Any:
+    consts = dict(consts)  # launch options ride along with the constexprs in _variants
+    options = {k: consts.pop(k) for k in ("num_warps", "num_stages") if k in consts}
     signature = {name: "constexpr" if name in consts else types.get(name, "i32") for name in kernel.arg_names}
     # as a launch specialises them: tensors from PyTorch's allocator are 16-byte aligned (vectorised,
     # pipelined loads); the integers stay general
@@ -96,7 +106,7 @@ def _compile(kernel: Any, types: dict[str, str], consts: dict[str, Any], target:
         (i,): [["tt.divisibility", 16]] for i, n in enumerate(kernel.arg_names) if signature[n][0] == "*"
     }
     source = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=aligned)
-    return triton.compile(source, target=target)
+    return triton.compile(source, target=target, options=options or None)
 
 
 @pytest.mark.parametrize("target", list(TARGETS), ids=list(TARGETS))
