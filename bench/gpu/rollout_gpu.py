@@ -112,6 +112,7 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
         kernels={"auto": "auto", "on": True, "off": False}[args.kernels],
         share_prompt_reads=args.share_prompt == "on",
     )
+    engine.decoder.compiled_prefill = args.prefill == "compiled"
     try:
         engine.generate(make_requests("w", vocab, warm_p, warm_r, samples, seed=2))  # compiles, captures
         common.sync(dev)
@@ -149,6 +150,7 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
             "cuda_graphs": d.use_graphs,
             "compiled": d.compiled,
             "share_prompt_reads": engine.share_prompt_reads,
+            "compiled_prefill": d.compiled and d.compiled_prefill,
             "compile_error": (d.compile_error or "")[-3000:] or None,
             "graph_error": (d.graph_error or "")[-3000:] or None,
             "kernels": d.kernels_used,
@@ -296,6 +298,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--share-prompt", choices=["on", "off"], default="on",
         help="a prompt's samples read its K/V from one row (the attention kernel)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--prefill", choices=["compiled", "eager"], default="compiled",
+        help="the prefill through the decode step's compiled functions (when compiled), or eager",
     )  # fmt: skip
     ap.add_argument("--skip-generate", action="store_true")
     ap.add_argument("--profile", action="store_true", help="kernel tables of the b64 and b512 decode (GPU)")

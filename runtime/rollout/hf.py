@@ -487,32 +487,32 @@ class HFEngine(ThreadedEngine):
         for w in items:
             groups.setdefault(tuple(w.prefix), []).append(w)
         prefixes = list(groups)
-        logits = d.prefill([list(p) for p in prefixes], [[w.slot for w in groups[p]] for p in prefixes])
         works = [w for p in prefixes for w in groups[p]]
+        n, width = len(works), s.stop_ids.shape[1]
+        # every row's settings in two host-to-device copies, before the prefill's kernels (a copy
+        # from pageable memory waits for the stream; a tensor op per row was ~20 us each)
+        rows = []
+        for g, p in enumerate(prefixes):
+            for w in groups[p]:
+                stop = list(w.params.stop_token_ids)
+                rows.append(
+                    [g, w.slot, w.key, w.params.max_tokens, len(w.prefix), *stop, *[-1] * (width - len(stop))]
+                )
+        ints = torch.tensor(rows, dtype=torch.long).to(dev)
+        top_p_host = [w.params.top_p for w in works]
+        temperature = [w.params.temperature for w in works]
+        floats = torch.tensor([temperature, top_p_host], dtype=torch.float32).to(dev)
+        src, idx, keys, max_new, plen = ints[:, :5].unbind(1)
+        stops, temp, top_p = ints[:, 5:], floats[0], floats[1]
+        logits = d.prefill([list(p) for p in prefixes], [[w.slot for w in groups[p]] for p in prefixes])
         for p in prefixes:
             for w in groups[p]:
                 w.prefill = self._prefills
             self._prefills += 1
         self._shares_stale = True
-        src = torch.tensor(
-            [g for g, p in enumerate(prefixes) for _ in groups[p]], dtype=torch.long, device=dev
-        )
-        idx = torch.tensor([w.slot for w in works], dtype=torch.long, device=dev)
-        temp = torch.tensor([w.params.temperature for w in works], dtype=torch.float32, device=dev)
-        top_p_host = [w.params.top_p for w in works]
-        top_p = torch.tensor(top_p_host, dtype=torch.float32, device=dev)
-        keys = torch.tensor([w.key for w in works], dtype=torch.long, device=dev)
-        zeros = torch.zeros(len(works), dtype=torch.long, device=dev)
+        zeros = torch.zeros(n, dtype=torch.long, device=dev)
         use_top_p = any(t < 1 for t in top_p_host)
         tok, lp = d.sample(logits[src], temp, top_p, keys, zeros, use_top_p, d._seeds_fn)
-        width = s.stop_ids.shape[1]  # one tensor for every row (a tensor op per row was ~20 us each)
-        stops = torch.tensor(
-            [[*ids, *[-1] * (width - len(ids))] for ids in (w.params.stop_token_ids for w in works)],
-            dtype=torch.long,
-            device=dev,
-        )
-        max_new = torch.tensor([w.params.max_tokens for w in works], dtype=torch.long, device=dev)
-        plen = torch.tensor([len(w.prefix) for w in works], dtype=torch.long, device=dev)
         hit = (stops == tok[:, None]).any(-1)
         s.stop_ids[idx] = stops
         s.temperature[idx] = temp

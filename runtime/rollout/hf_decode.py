@@ -187,6 +187,8 @@ class StaticDecoder:
         self.compiled = dev.type == "cuda" if compile_step == "auto" else bool(compile_step)
         # our own CUDA graphs capture the step, so inductor must not add its own
         mode = "max-autotune-no-cudagraphs" if compile_step == "max-autotune" else None
+        # the prefill runs the step's compiled functions too; False: eager (the benchmark's A/B)
+        self.compiled_prefill = True
         self.compile_error: str | None = None  # traceback of a failed compile (then eager)
         self.graph_error: str | None = None  # traceback of a failed graph capture (then no graphs)
         self._compiled_ok: set[tuple[int, int]] = set()  # (rows, kv_len) steps that ran compiled
@@ -218,6 +220,15 @@ class StaticDecoder:
         self._advance_fn = advance_slots
         self._seeds_fn = kernels.row_seeds
         self._final_norm_fn = final_norm
+
+    def _functions(self, compiled: bool) -> dict[str, Callable[..., Any]]:
+        """The layer functions a prefill runs: the step's (compiled, when they are), or eager."""
+        if compiled:
+            fns = (self._qkv_fn, self._mlp_in_fn, self._residual_fn, self._final_norm_fn)
+        else:
+            mlp_in = layer_mlp_in if self._silu is None else self._mlp_in_with(layer_gate_up)
+            fns = (layer_qkv, mlp_in, residual_linear_, final_norm)
+        return dict(zip(("qkv", "mlp_in", "residual", "final_norm"), fns, strict=True))
 
     def _mlp_in_with(self, gate_up: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         """``layer_mlp_in`` as ``gate_up`` (norm + GEMM) followed by the Triton SiLU kernel."""
@@ -371,18 +382,23 @@ class StaticDecoder:
     def _prefill_chunk(self, prompts: list[Sequence[int]], groups: list[Sequence[int]]) -> torch.Tensor:
         g, P, D, dev = len(prompts), max(len(p) for p in prompts), self.head_dim, self.device
         self.prefill_forwards += 1
-        ids = torch.tensor([[*p, *[0] * (P - len(p))] for p in prompts], dtype=torch.long)
-        lens = torch.tensor([len(p) for p in prompts], dtype=torch.long, device=dev)
-        slot_idx = torch.tensor([s for grp in groups for s in grp], dtype=torch.long, device=dev)
-        src = torch.tensor([i for i, grp in enumerate(groups) for _ in grp], dtype=torch.long, device=dev)
+        # one host-to-device copy for the padded ids, lengths, slots and their prompts: a copy from
+        # pageable memory waits for the stream, so one before any kernel, none between them
+        host: list[int] = [t for p in prompts for t in (*p, *[0] * (P - len(p)))]
+        host += [len(p) for p in prompts]
+        host += [s for grp in groups for s in grp]
+        host += [i for i, grp in enumerate(groups) for _ in grp]
+        n = sum(len(grp) for grp in groups)
+        ids, lens, slot_idx, src = torch.tensor(host, dtype=torch.long).to(dev).split([g * P, g, n, n])
+        f = self._functions(compiled=self.compiled and self.compiled_prefill)
         # rows [g * P, H], as the decode step's: its compiled norm + GEMM and MLP functions serve
         # the prefill too (one launch where eager ran several; the host's launches were its cost)
-        x = self.inner.embed_tokens(ids.to(dev)).view(g * P, -1)
+        x = self.inner.embed_tokens(ids.view(g, P)).view(g * P, -1)
         cos, sin = self.cos[:P], self.sin[:P]
         nq, nk, nqk = self.n_heads * D, self.n_kv * D, self.n_heads + self.n_kv
         for i in range(len(self.layers)):
             pre, post = self._layer_weights(i)
-            qkv = self._qkv_fn(x, pre, self.eps).view(g, P, -1)
+            qkv = f["qkv"](x, pre, self.eps).view(g, P, -1)
             # q and k rotated together: [g, H + Hkv, P, D]
             qk = kernels.rope(qkv[..., : nq + nk].view(g, P, nqk, D).transpose(1, 2), cos, sin)
             q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
@@ -391,9 +407,9 @@ class StaticDecoder:
             self.v_cache[i][slot_idx, :, :P] = v[src]
             att = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
             att = att.transpose(1, 2).reshape(g * P, self.n_heads * D)
-            x = layer_post_attention(x, att, post, self.eps, self._mlp_in_fn, self._residual_fn)
+            x = layer_post_attention(x, att, post, self.eps, f["mlp_in"], f["residual"])
         last = x.view(g, P, -1)[torch.arange(g, device=dev), lens - 1]
-        return self._head(last, self._final_norm_fn)
+        return self._head(last, f["final_norm"])
 
     # ---- sampling --------------------------------------------------------------------------
     def sample(
