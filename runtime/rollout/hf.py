@@ -512,7 +512,7 @@ class HFEngine(ThreadedEngine):
         self._shares_stale = True
         zeros = torch.zeros(n, dtype=torch.long, device=dev)
         use_top_p = any(t < 1 for t in top_p_host)
-        tok, lp = d.sample(logits[src], temp, top_p, keys, zeros, use_top_p, d._seeds_fn)
+        tok, lp = d.sample(logits[src], temp, top_p, keys, zeros, use_top_p)
         hit = (stops == tok[:, None]).any(-1)
         s.stop_ids[idx] = stops
         s.temperature[idx] = temp

@@ -187,8 +187,9 @@ class StaticDecoder:
         self.compiled = dev.type == "cuda" if compile_step == "auto" else bool(compile_step)
         # our own CUDA graphs capture the step, so inductor must not add its own
         mode = "max-autotune-no-cudagraphs" if compile_step == "max-autotune" else None
-        # the prefill runs the step's compiled functions too; False: eager (the benchmark's A/B)
-        self.compiled_prefill = True
+        # True: the prefill runs the step's compiled functions too (the benchmark's A/B: on one
+        # H100 that made admission slower, 24 vs 14 ms for 8 prompts of 64 tokens at 0.5B, so eager)
+        self.compiled_prefill = False
         self.compile_error: str | None = None  # traceback of a failed compile (then eager)
         self.graph_error: str | None = None  # traceback of a failed graph capture (then no graphs)
         self._compiled_ok: set[tuple[int, int]] = set()  # (rows, kv_len) steps that ran compiled
@@ -369,7 +370,7 @@ class StaticDecoder:
             chunk = order[start:end]
             args = ([prompts[i] for i in chunk], [slot_groups[i] for i in chunk])
             start = end
-            if not self.compiled:
+            if not (self.compiled and self.compiled_prefill):
                 out.append(self._prefill_chunk(*args))
                 continue
             try:  # the step's compiled functions; a rerun rewrites the same K/V
@@ -391,8 +392,7 @@ class StaticDecoder:
         n = sum(len(grp) for grp in groups)
         ids, lens, slot_idx, src = torch.tensor(host, dtype=torch.long).to(dev).split([g * P, g, n, n])
         f = self._functions(compiled=self.compiled and self.compiled_prefill)
-        # rows [g * P, H], as the decode step's: its compiled norm + GEMM and MLP functions serve
-        # the prefill too (one launch where eager ran several; the host's launches were its cost)
+        # rows [g * P, H], as the decode step's (whose compiled functions can serve here too)
         x = self.inner.embed_tokens(ids.view(g, P)).view(g * P, -1)
         cos, sin = self.cos[:P], self.sin[:P]
         nq, nk, nqk = self.n_heads * D, self.n_kv * D, self.n_heads + self.n_kv

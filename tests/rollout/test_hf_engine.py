@@ -269,8 +269,12 @@ def test_compile_step_auto_is_eager_on_cpu_and_bad_values_are_refused() -> None:
         HFEngine(model=_tiny_qwen2_for_fused_test(), num_slots=2, max_seq_len=32, compile_step="yes")
 
 
-def test_a_failing_compile_falls_back_to_eager_with_the_same_tokens(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Fault injection: torch.compile raising (as inductor does without a compiler) is simulated."""
+@pytest.mark.parametrize("compiled_prefill", [False, True], ids=["eager-prefill", "compiled-prefill"])
+def test_a_failing_compile_falls_back_to_eager_with_the_same_tokens(
+    monkeypatch: pytest.MonkeyPatch, compiled_prefill: bool
+) -> None:
+    """Fault injection: torch.compile raising (as inductor does without a compiler) is simulated;
+    it fails first in the decode step, or, with the prefill on the compiled functions, there."""
     from rlkube.runtime.rollout.base import RolloutRequest, SamplingParams
 
     def broken_compile(fn: Any, **_: Any) -> Any:
@@ -284,6 +288,7 @@ def test_a_failing_compile_falls_back_to_eager_with_the_same_tokens(monkeypatch:
         want = sorted(tuple(c.token_ids) for c in eager.generate(req))
     monkeypatch.setattr(torch, "compile", broken_compile)
     with HFEngine(model=_tiny_qwen2_for_fused_test(), num_slots=2, max_seq_len=32, compile_step=True) as eng:
+        eng.decoder.compiled_prefill = compiled_prefill
         got = sorted(tuple(c.token_ids) for c in eng.generate(req))
         assert eng.decoder.compiled is False
         assert eng.decoder.compile_error is not None and "no C++ compiler" in eng.decoder.compile_error
