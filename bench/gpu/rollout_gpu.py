@@ -300,8 +300,8 @@ def main(argv: list[str] | None = None) -> int:
         help="a prompt's samples read its K/V from one row (the attention kernel)",
     )  # fmt: skip
     ap.add_argument(
-        "--prefill", choices=["compiled", "eager"], default="compiled",
-        help="the prefill through the decode step's compiled functions (when compiled), or eager",
+        "--prefill", choices=["compiled", "eager"], default="eager",
+        help="the prefill eager (the engine's default), or through the decode step's compiled functions",
     )  # fmt: skip
     ap.add_argument("--skip-generate", action="store_true")
     ap.add_argument("--profile", action="store_true", help="kernel tables of the b64 and b512 decode (GPU)")
