@@ -123,3 +123,23 @@ def test_trainer_gpu_bench_smoke_without_rlkube_install_or_pydantic(tmp_path: Pa
     assert today["engine_compiled"] is False  # --compile off
     assert rl["batch"] == 3 * 2 and 0 < rl["rollout_fraction_of_bound"] < 1
     assert all(0 <= s["padding_fraction"] < 1 for s in rl["steps"])
+
+
+def test_decode_step_bench_times_the_attention_kernel_alone_per_launch_setting(tmp_path: Path) -> None:
+    """``--attention``: each launch setting and split of the kernel on the same inputs (groups
+    sharing a prompt), the same output as the first setting, timed against the bytes it needs."""
+    variants = ("default", "w2s2", "b32w4s2", "split64")
+    proc = run_bench(
+        "decode_step_gpu.py", tmp_path, "--configs", "default", "--attention", ",".join(variants),
+        "--attention-shapes", "b512,b512-long", "--no-capture-check", gpu_machine=True,
+        env_extra={"TRITON_INTERPRET": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "decode-step-gpu.json").read_text())
+    rows = report["attention"]
+    assert [(r["attention"], r["variant"]) for r in rows] == [
+        (shape, v) for shape in ("b512", "b512-long") for v in variants
+    ]
+    assert all("error" not in r and r["us"] > 0 and r["bytes_needed"] > 0 for r in rows)
+    assert all(r["max_abs_diff_vs_first"] < 1e-4 for r in rows)  # float32 on the CPU
+    assert [r["split"] for r in rows[:4]] == [128, 128, 128, 64]
