@@ -262,12 +262,9 @@ def main() -> int:
         env=env,
         capture_output=True,
     )
-    subprocess.run(
-        [*kubectl, "wait", "--for=condition=Established", "crd/rljobs.rlkube.io"],
-        check=True,
-        env=env,
-        capture_output=True,
-    )
+    from rlkube.devcluster.testing import Kubectl
+
+    Kubectl(kubeconfig).wait_established("rljobs.rlkube.io")  # not `kubectl wait`: see its docstring
     subprocess.run([*kubectl, "create", "namespace", NS], env=env, capture_output=True)
 
     api = config.new_client_from_config(config_file=str(kubeconfig))

@@ -103,6 +103,19 @@ class Kubectl:
         """`kubectl <args> -o json`, decoded."""
         return json.loads(self(*args, "-o", "json", timeout=timeout).stdout)
 
+    def wait_established(self, crd: str, timeout: float = 60) -> None:
+        """Until the CRD's Established condition is True. Not `kubectl wait`: on a CRD created a
+        moment ago, before the API server wrote any condition, it fails at once (`.status.conditions
+        accessor error: <nil>`) instead of waiting; under load that window was wide enough to fail
+        a whole test module's fixture."""
+
+        def established() -> bool:
+            obj = self.json("get", f"crd/{crd}")
+            conds = obj.get("status", {}).get("conditions") or []
+            return any(c["type"] == "Established" and c["status"] == "True" for c in conds)
+
+        wait_for(established, timeout, lambda: self.json("get", f"crd/{crd}"), what=f"CRD {crd} Established")
+
     def apply(
         self, manifest: dict[str, Any] | str, *args: str, check: bool = True
     ) -> subprocess.CompletedProcess[str]:

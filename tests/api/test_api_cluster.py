@@ -20,7 +20,7 @@ CRD = Path(__file__).resolve().parents[2] / "crds" / "rljobs.rlkube.io.yaml"
 @pytest.fixture(scope="module")
 def crd(kubectl: Kubectl) -> None:
     kubectl("apply", "--server-side", "--force-conflicts", "-f", str(CRD))
-    kubectl("wait", "--for=condition=Established", "crd/rljobs.rlkube.io", "--timeout=60s")
+    kubectl.wait_established("rljobs.rlkube.io")
 
 
 def _dry_run(kubectl: Kubectl, namespace: str, obj: dict[str, Any]) -> Any:

@@ -42,7 +42,7 @@ def rljob_crd(kubectl: Kubectl) -> None:
     for path in CRD_FILES:
         assert path.is_file(), f"missing {path} (run `make crds`)"
         kubectl("apply", "--server-side", "--force-conflicts", "-f", str(path))
-    kubectl("wait", "--for=condition=Established", "crd/rljobs.rlkube.io", "--timeout=60s")
+    kubectl.wait_established("rljobs.rlkube.io")
 
 
 @dataclass
