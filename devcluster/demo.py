@@ -111,11 +111,6 @@ def _exists(kubectl: Kubectl, ns: str, kind: str, name: str) -> bool:
     return bool(kubectl("-n", ns, "get", kind, name, "--ignore-not-found", "-o", "name").stdout.strip())
 
 
-def _crd_established(kubectl: Kubectl) -> bool:
-    conds = (kubectl.json("get", "crd", "rljobs.rlkube.io").get("status") or {}).get("conditions") or []
-    return any(c["type"] == "Established" and c["status"] == "True" for c in conds)
-
-
 class RowPrinter:
     """Prints `kubectl get rljobs` with the header once, then only rows that changed."""
 

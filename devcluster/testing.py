@@ -109,12 +109,15 @@ class Kubectl:
         accessor error: <nil>`) instead of waiting; under load that window was wide enough to fail
         a whole test module's fixture."""
 
-        def established() -> bool:
-            obj = self.json("get", f"crd/{crd}")
-            conds = obj.get("status", {}).get("conditions") or []
-            return any(c["type"] == "Established" and c["status"] == "True" for c in conds)
+        wait_for(
+            lambda: self.crd_established(crd), timeout, lambda: self.json("get", f"crd/{crd}"),
+            what=f"CRD {crd} Established",
+        )  # fmt: skip
 
-        wait_for(established, timeout, lambda: self.json("get", f"crd/{crd}"), what=f"CRD {crd} Established")
+    def crd_established(self, crd: str) -> bool:
+        """Whether the CRD's Established condition is True now (False while it has none)."""
+        conds = (self.json("get", f"crd/{crd}").get("status") or {}).get("conditions") or []
+        return any(c["type"] == "Established" and c["status"] == "True" for c in conds)
 
     def apply(
         self, manifest: dict[str, Any] | str, *args: str, check: bool = True
