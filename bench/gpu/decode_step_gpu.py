@@ -70,6 +70,15 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "silu-inductor": {"silu": "inductor"},
     "cublaslt": {"blas": "cublaslt"},
     "eager-tail": {"tail": "eager"},
+    # the small-batch linear kernel (buckets of <= 64 rows): off (cuBLAS and the compiled norms /
+    # Triton SiLU around it), or its launch settings (TritonSmallLinear.launch: output columns
+    # per program ``bn``, K block ``bk``, programs aimed at per SM, warps, stages)
+    "cublas": {"linear": "off"},
+    "lin-bn32": {"linear": {"bn": 32}},
+    "lin-bn64": {"linear": {"bn": 64}},
+    "lin-bk64": {"linear": {"bk": 64}},
+    "lin-2x": {"linear": {"programs_per_sm": 2}},
+    "lin-w8": {"linear": {"num_warps": 8}},
 }
 DEFAULT_BLAS = torch.backends.cuda.preferred_blas_library()
 GROUP = 8
@@ -127,6 +136,11 @@ def configure(
 
         dec._mlp_in_fn = torch.compile(layer_mlp_in) if dec.compiled else layer_mlp_in
     split, shared = cfg.get("split"), min(cfg.get("shared", 0), context)  # never past a row's position
+    if dec._linear is not None:
+        lin = cfg.get("linear", {})
+        dec.linear_max_rows = 0 if lin == "off" else dec._linear.MAX_ROWS
+        dec._linear.launch = linear_launch(lin if isinstance(lin, dict) else {}, dec._linear.n_sm)
+        dec.reserve_linear()
     dec.drop_graphs()
     leaders = [r - r % GROUP for r in range(rows)]
     dec.set_shared_prompts(leaders, [shared if lead != r else 0 for r, lead in enumerate(leaders)])
@@ -137,6 +151,14 @@ def configure(
     else:
         fixed = att.max_seq if split == "direct" else int(split)
         att.split_for = lambda rows, fixed=fixed: max(fixed, default_split(rows))
+
+
+def linear_launch(cfg: dict[str, Any], n_sm: int) -> dict[str, int]:
+    """TritonSmallLinear.launch from a config (``programs_per_sm`` becomes a program count)."""
+    out = {k: int(v) for k, v in cfg.items() if k != "programs_per_sm"}
+    if "programs_per_sm" in cfg:
+        out["programs"] = int(cfg["programs_per_sm"] * n_sm)
+    return out
 
 
 def bench(
@@ -185,6 +207,7 @@ def bench(
         base = base or t
         res.append({
             "size": "tiny" if args.smoke else size, "rows": rows, "context": context,
+            "linear": dec.kernels_used["linear"] if rows <= dec.linear_max_rows else "torch",
             "compile": compile_step, "compiled": dec.compiled, "config": name,
             "step_ms": 1e3 * t, "first_step_s": first_s, "bound_ms": 1e3 * bound_s,
             "cuda_graphs": dec.use_graphs, "graph_error": (dec.graph_error or "")[-1500:] or None,
@@ -427,6 +450,109 @@ def capture_failure_check(dev: torch.device) -> dict[str, Any]:
     return out
 
 
+# the small-batch linear kernel's launch settings timed alone, per layer (TritonSmallLinear.launch)
+LINEAR_VARIANTS: dict[str, dict[str, Any]] = {
+    "default": {},  # the policy (TritonSmallLinear.plan)
+    "bn16": {"bn": 16},
+    "bn32": {"bn": 32},
+    "bn64": {"bn": 64},
+    "bn128": {"bn": 128},
+    "bk64": {"bk": 64},
+    "bk256": {"bk": 256, "num_stages": 2},
+    "half": {"programs_per_sm": 0.5},
+    "2x": {"programs_per_sm": 2},
+    "4x": {"programs_per_sm": 4},
+    "w8": {"num_warps": 8},
+    "s2": {"num_stages": 2},
+    "s4": {"num_stages": 4},
+    # for large batches: 128 x 128 output tiles, 64-wide K blocks, 8 warps
+    "t128": {"bm": 128, "bn": 128, "bk": 64, "num_warps": 8, "num_stages": 3},
+    "t128s4": {"bm": 128, "bn": 128, "bk": 64, "num_warps": 8, "num_stages": 4},
+    "t64x128": {"bm": 64, "bn": 128, "bk": 64, "num_warps": 4, "num_stages": 4},
+}
+
+
+def bench_linear(
+    size: str,
+    rows: int,
+    dev: torch.device,
+    read_bps: float,
+    repeats: int,
+    names: list[str],
+    calls: int = 20,
+) -> list[dict[str, Any]]:
+    """Each linear layer of a decode step alone at ``rows`` rows: the step's cuBLAS path (the
+    compiled norm + GEMM, Triton's SiLU, the residual GEMM) against the fused kernel in each of
+    LINEAR_VARIANTS, as microseconds per call and against reading the weights and activations."""
+    from rlkube.runtime.models.tiny import qwen2_like_config
+    from rlkube.runtime.rollout import decode_linear, hf_decode, kernels
+
+    tiny = tiny_qwen2_config(64, hidden_size=128, num_heads=2)
+    cfg = qwen2_like_config(size) if dev.type == "cuda" else tiny
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    h, inter = cfg.hidden_size, cfg.intermediate_size
+    n_att = cfg.num_attention_heads * (h // cfg.num_attention_heads)
+    n_qkv = n_att + 2 * cfg.num_key_value_heads * (h // cfg.num_attention_heads)
+    g = torch.Generator().manual_seed(0)
+
+    def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale).to(dev, dtype)
+
+    x, att, hid = rand(rows, h), rand(rows, n_att), rand(rows, inter)
+    res0, norm = rand(rows, h), rand(h, scale=0.1) + 1
+    res = res0.clone()  # the residual stream o and down add into (in place)
+    w_qkv, b_qkv, w_o = rand(n_qkv, h, scale=0.02), rand(n_qkv), rand(h, n_att, scale=0.02)
+    w_gu, w_down = rand(2 * inter, h, scale=0.02), rand(h, inter, scale=0.02)
+    compiled = dev.type == "cuda"
+    qkv_fn = torch.compile(hf_decode.layer_qkv) if compiled else hf_decode.layer_qkv
+    gate_up = torch.compile(hf_decode.layer_gate_up) if compiled else hf_decode.layer_gate_up
+    silu = kernels.silu_mul if kernels.HAVE_TRITON else kernels.silu_mul_ref
+    el = x.element_size()
+    # (layer, the step's unfused call, the kernel's call, bytes it must move: weights, inputs, outputs)
+    layers: list[tuple[str, Any, Any, int]] = [
+        ("q/k/v", lambda: qkv_fn(x, (norm, w_qkv, b_qkv), 1e-6),
+         lambda lin: lin(x, w_qkv, norm=norm, eps=1e-6, bias=b_qkv),
+         (w_qkv.numel() + rows * (h + n_qkv)) * el),
+        ("o", lambda: hf_decode.residual_linear_(res, att, w_o, None),
+         lambda lin: lin(att, w_o, out=res), (w_o.numel() + rows * (n_att + 2 * h)) * el),
+        ("gate/up", lambda: silu(gate_up(x, norm, w_gu, 1e-6)),
+         lambda lin: lin(x, w_gu, norm=norm, eps=1e-6, gated=True), (w_gu.numel() + rows * (h + inter)) * el),
+        ("down", lambda: hf_decode.residual_linear_(res, hid, w_down, None),
+         lambda lin: lin(hid, w_down, out=res), (w_down.numel() + rows * (inter + 2 * h)) * el),
+    ]  # fmt: skip
+    out: list[dict[str, Any]] = []
+    for layer, unfused, fused, needed in layers:
+        entries: list[tuple[str, Any]] = [("cublas", unfused)]
+        for name in names:
+            lin = decode_linear.TritonSmallLinear(dev)
+            lin.launch = linear_launch(LINEAR_VARIANTS[name], lin.n_sm)
+            shapes = ((n_qkv, h, False), (h, n_att, False), (inter, h, True), (h, inter, False))
+            for n_out, k, gated in shapes:
+                lin.reserve(rows, n_out, k, gated)
+            entries.append((name, functools.partial(fused, lin)))
+        base, want = None, None
+        for name, call in entries:
+            try:
+                res.copy_(res0)
+                got = call().float()  # the output of one call from the same residual
+                want = got if want is None else want
+                times = _timed_calls(call, dev, calls, repeats)
+            except Exception as exc:
+                out.append({"linear": layer, "variant": name, "error": f"{type(exc).__name__}: {exc}"[:1500]})
+                print(json.dumps(out[-1]), flush=True)
+                continue
+            t = statistics.median(times)
+            base = base or t
+            out.append({
+                "linear": layer, "size": size, "rows": rows, "variant": name, "us": 1e6 * t,
+                "us_range": [1e6 * min(times), 1e6 * max(times)], "bytes_needed": needed,
+                "fraction_of_read_bound": needed / read_bps / t, "speedup_vs_cublas": base / t,
+                "max_rel_diff_vs_cublas": float((got - want).abs().max() / want.abs().max()),
+            })  # fmt: skip
+            print(json.dumps(out[-1]), flush=True)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--sizes", default="0.5b,1.5b")
@@ -445,6 +571,11 @@ def main(argv: list[str] | None = None) -> int:
         help="attention variants to time alone (comma-separated names of ATTENTION_VARIANTS, or 'all')",
     )  # fmt: skip
     ap.add_argument("--attention-shapes", default=",".join(ATTENTION_SHAPES))
+    ap.add_argument(
+        "--linear", default="",
+        help="small-batch linear variants to time alone per layer (names of LINEAR_VARIANTS, or 'all')",
+    )  # fmt: skip
+    ap.add_argument("--linear-rows", default="64,8", help="rows of the --linear timings")
     ap.add_argument(
         "--smoke", action="store_true", help="tiny shapes on the CPU (run with TRITON_INTERPRET=1)"
     )
@@ -485,6 +616,16 @@ def main(argv: list[str] | None = None) -> int:
                 args.attention_shapes.split(","), calls=1 if args.smoke else 20,
             )  # fmt: skip
             save()
+    if args.linear:
+        names = list(LINEAR_VARIANTS) if args.linear == "all" else args.linear.split(",")
+        report["linear"] = []
+        for size in ("0.5b", "1.5b") if not args.smoke else ("tiny",):
+            for rows in (int(r) for r in args.linear_rows.split(",")):
+                report["linear"] += bench_linear(
+                    size, rows, dev, ceil["read_bandwidth_gbs"] * 1e9, args.repeats, names,
+                    calls=1 if args.smoke else 20,
+                )  # fmt: skip
+                save()
     report["capture_failure"] = (
         capture_failure_check(dev) if args.capture_check else {"ran": False, "why": "--no-capture-check"}
     )
@@ -527,6 +668,15 @@ def main(argv: list[str] | None = None) -> int:
                 f"attention D={r['head_dim']:<3} {r['attention']:<10} {r['variant']:<12}: {r['us']:7.1f} us, "
                 f"{100 * r['fraction_of_read_bound']:5.1f}% of its read bound, "
                 f"max diff vs first {r['max_abs_diff_vs_first']:.3g}"
+            )
+    for r in report.get("linear", []):
+        if "error" in r:
+            print(f"linear {r['linear']:<8} {r['variant']:<8} {r['error'][:200]}")
+        else:
+            print(
+                f"linear {r['size']:>4} rows {r['rows']:>3} {r['linear']:<8} {r['variant']:<8}: "
+                f"{r['us']:7.1f} us, {100 * r['fraction_of_read_bound']:5.1f}% of its read bound, "
+                f"x{r['speedup_vs_cublas']:.2f} vs cuBLAS (max diff {r['max_rel_diff_vs_cublas']:.2g})"
             )
     cf = report["capture_failure"]
     recovered = not cf["ran"] or all(cf[k] for k in CAPTURE_FAILURE_CHECKS)

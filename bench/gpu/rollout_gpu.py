@@ -113,6 +113,9 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
         share_prompt_reads=args.share_prompt == "on",
     )
     engine.decoder.compiled_prefill = args.prefill == "compiled"
+    if args.linear_max_rows is not None and engine.decoder._linear is not None:
+        engine.decoder.linear_max_rows = args.linear_max_rows  # before the first step captures
+        engine.decoder.reserve_linear()
     try:
         engine.generate(make_requests("w", vocab, warm_p, warm_r, samples, seed=2))  # compiles, captures
         common.sync(dev)
@@ -154,6 +157,7 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
             "compile_error": (d.compile_error or "")[-3000:] or None,
             "graph_error": (d.graph_error or "")[-3000:] or None,
             "kernels": d.kernels_used,
+            "linear_max_rows": d.linear_max_rows,
             "kernel_errors": d.kernel_errors,
             "graphs_captured": len(d._graphs),
             "steps_by_bucket": dict(sorted(d.steps_by_bucket.items())),
@@ -302,6 +306,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--prefill", choices=["compiled", "eager"], default="eager",
         help="the prefill eager (the engine's default), or through the decode step's compiled functions",
+    )  # fmt: skip
+    ap.add_argument(
+        "--linear-max-rows", type=int, default=None,
+        help="buckets up to this many rows run the fused linear kernel (0: cuBLAS; default: the engine's)",
     )  # fmt: skip
     ap.add_argument("--skip-generate", action="store_true")
     ap.add_argument("--profile", action="store_true", help="kernel tables of the b64 and b512 decode (GPU)")

@@ -52,7 +52,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from rlkube.runtime.rollout import kernels
+from rlkube.runtime.rollout import decode_linear, kernels
 
 log = logging.getLogger(__name__)
 # True, False, "auto" (compile on CUDA, eager elsewhere) or "max-autotune" (compile, and let inductor
@@ -133,6 +133,7 @@ class StaticDecoder:
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads)
         self.group = self.n_heads // self.n_kv
         self.vocab = int(cfg.vocab_size)
+        self.hidden = int(cfg.hidden_size)
         self.inter = int(cfg.intermediate_size)
         self.eps = float(self.layers[0].input_layernorm.variance_epsilon)
         self.B = num_slots
@@ -215,20 +216,22 @@ class StaticDecoder:
 
     def _use_eager_functions(self) -> None:
         """The step's pure functions as plain PyTorch (``torch.compile`` wraps them on CUDA)."""
-        self._qkv_fn = layer_qkv
-        self._mlp_in_fn = layer_mlp_in if self._silu is None else self._mlp_in_with(layer_gate_up)
-        self._residual_fn = residual_linear_
+        f = self._eager_layer_functions()
+        self._qkv_fn, self._mlp_in_fn, self._residual_fn = f["qkv"], f["mlp_in"], f["residual"]
+        self._final_norm_fn = f["final_norm"]
         self._advance_fn = advance_slots
         self._seeds_fn = kernels.row_seeds
-        self._final_norm_fn = final_norm
+
+    def _eager_layer_functions(self) -> dict[str, Callable[..., Any]]:
+        """A layer's functions and the final norm, uncompiled (SiLU on its Triton kernel, if any)."""
+        mlp_in = layer_mlp_in if self._silu is None else self._mlp_in_with(layer_gate_up)
+        return {"qkv": layer_qkv, "mlp_in": mlp_in, "residual": residual_linear_, "final_norm": final_norm}
 
     def _functions(self, compiled: bool) -> dict[str, Callable[..., Any]]:
         """The layer functions a prefill runs: the step's (compiled, when they are), or eager."""
-        if compiled:
-            fns = (self._qkv_fn, self._mlp_in_fn, self._residual_fn, self._final_norm_fn)
-        else:
-            mlp_in = layer_mlp_in if self._silu is None else self._mlp_in_with(layer_gate_up)
-            fns = (layer_qkv, mlp_in, residual_linear_, final_norm)
+        if not compiled:
+            return self._eager_layer_functions()
+        fns = (self._qkv_fn, self._mlp_in_fn, self._residual_fn, self._final_norm_fn)
         return dict(zip(("qkv", "mlp_in", "residual", "final_norm"), fns, strict=True))
 
     def _mlp_in_with(self, gate_up: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
@@ -250,6 +253,9 @@ class StaticDecoder:
         self._attention: Any = None
         self._sampler: Any = None
         self._silu: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._linear: decode_linear.TritonSmallLinear | None = None
+        # buckets of at most this many rows run the fused small-batch linear kernel (0: cuBLAS)
+        self.linear_max_rows = 0
 
         want = setting is True or (setting == "auto" and self.device.type == "cuda")
         if not want:
@@ -272,16 +278,33 @@ class StaticDecoder:
                 vocab=self.vocab,
             )
             self._silu = self._checked_kernel("silu", lambda: kernels.silu_mul, rows=rows, inter=self.inter)
+            self._linear = self._checked_kernel(
+                "linear",
+                lambda: decode_linear.TritonSmallLinear(self.device),
+                check=decode_linear.self_check,
+                rows=min(self.B, decode_linear.TritonSmallLinear.MAX_ROWS),
+                hidden=self.hidden, inter=self.inter, n_qkv=(self.n_heads + 2 * self.n_kv) * self.head_dim,
+                n_att=self.n_heads * self.head_dim,
+            )  # fmt: skip
+            if self._linear is not None:
+                self.linear_max_rows = decode_linear.TritonSmallLinear.MAX_ROWS
+                self.reserve_linear()
         if setting is True and self.kernel_errors:
             raise RuntimeError(f"decode kernels unavailable: {self.kernel_errors}")
         for k, v in self.kernel_errors.items():
             log.warning("decode kernel %s unavailable, using PyTorch: %s", k, v)
 
-    def _checked_kernel(self, kind: str, make: Callable[[], Any], **shape: Any) -> Any:
-        """``make()`` if it builds and passes ``kernels.self_check``, else None with the reason kept."""
+    def _checked_kernel(
+        self, kind: str, make: Callable[[], Any], check: Callable[..., str | None] | None = None, **shape: Any
+    ) -> Any:
+        """``make()`` if it builds and passes its self-check (``kernels.self_check`` unless
+        ``check`` is given), else None with the reason kept."""
         try:
             fn = make()
-            err = kernels.self_check(kind, fn, self.device, dtype=self.dtype, **shape)
+            if check is None:
+                err = kernels.self_check(kind, fn, self.device, dtype=self.dtype, **shape)
+            else:
+                err = check(fn, self.device, dtype=self.dtype, **shape)
         except Exception as exc:
             err = f"{type(exc).__name__}: {exc}"
         if err is None:
@@ -295,7 +318,23 @@ class StaticDecoder:
             "attention": "triton" if self._attention is not None else "sdpa",
             "sampling": "triton" if self._sampler is not None else "torch",
             "silu": "triton" if self._silu is not None else "torch",
+            "linear": "triton" if self._linear is not None and self.linear_max_rows else "torch",
         }
+
+    def reserve_linear(self) -> None:
+        """Size the small-batch linear kernel's workspace for every bucket it serves (before any
+        graph capture: a graph keeps the workspace's address). Call again after changing its
+        launch settings."""
+        lin = self._linear
+        if lin is None:
+            return
+        h, n_att = self.hidden, self.n_heads * self.head_dim
+        for nb in self.buckets:
+            if nb <= self.linear_max_rows:
+                lin.reserve(nb, (self.n_heads + 2 * self.n_kv) * self.head_dim, h, gated=False)
+                lin.reserve(nb, h, n_att, gated=False)
+                lin.reserve(nb, self.inter, h, gated=True)
+                lin.reserve(nb, h, self.inter, gated=False)
 
     # ---- weights ---------------------------------------------------------------------------
     def refresh_fused(self) -> None:
@@ -453,10 +492,15 @@ class StaticDecoder:
         pos = s.pos[:nb].clamp(max=self.S - 1)
         x = self.inner.embed_tokens(s.cur_tok[:nb])  # [nb, H]
         att_kernel = self._attention
+        lin = self._linear if nb <= self.linear_max_rows else None
         for i in range(len(self.layers)):
             pre, post = self._layer_weights(i)
             kc, vc = self.k_cache[i], self.v_cache[i]
-            qkv = self._qkv_fn(x, pre, self.eps)
+            if lin is not None:
+                norm, w_qkv, b_qkv = pre
+                qkv = lin(x, w_qkv, norm=norm, eps=self.eps, bias=b_qkv)
+            else:
+                qkv = self._qkv_fn(x, pre, self.eps)
             if att_kernel is not None:  # RoPE, the K/V write and attention in one kernel
                 att = att_kernel.rope_attend(
                     qkv, self.cos, self.sin, pos, kc, vc, self.n_heads,
@@ -464,9 +508,11 @@ class StaticDecoder:
                 )  # fmt: skip
             else:
                 att = kernels.rope_attention_ref(qkv, self.cos, self.sin, pos, kc, vc, self.n_heads, kv_len)
-            x = layer_post_attention(
-                x, att.reshape(nb, self.n_heads * D), post, self.eps, self._mlp_in_fn, self._residual_fn
-            )
+            att = att.reshape(nb, self.n_heads * D)
+            if lin is not None:
+                x = small_layer_post_attention(lin, x, att, post, self.eps)
+            else:
+                x = layer_post_attention(x, att, post, self.eps, self._mlp_in_fn, self._residual_fn)
         logits = self._head(x, self._final_norm_fn)
         tok, lp = self.sample(
             logits, s.temperature[:nb], s.top_p[:nb], s.key[:nb], s.n_gen[:nb], self.any_top_p, self._seeds_fn
@@ -686,6 +732,21 @@ def layer_post_attention(
     w_o, b_o, norm, w_gu, w_down, b_down = weights
     x = residual(x, att, w_o, b_o)
     return residual(x, mlp_in(x, norm, w_gu, eps), w_down, b_down)
+
+
+def small_layer_post_attention(
+    lin: decode_linear.TritonSmallLinear,
+    x: torch.Tensor,
+    att: torch.Tensor,
+    weights: tuple[Any, ...],
+    eps: float,
+) -> torch.Tensor:
+    """``layer_post_attention`` on the fused small-batch kernel: o into the residual, then norm +
+    gate/up + SiLU, then down into the residual: three kernels."""
+    w_o, b_o, norm, w_gu, w_down, b_down = weights
+    lin(att, w_o, bias=b_o, out=x)
+    h = lin(x, w_gu, norm=norm, eps=eps, gated=True)
+    return lin(h, w_down, bias=b_down, out=x)
 
 
 def residual_linear_(

@@ -19,6 +19,7 @@ triton = pytest.importorskip("triton", reason="triton ships with torch in this e
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from rlkube.runtime.rollout import decode_linear  # noqa: E402
 from rlkube.runtime.rollout import kernels as decode  # noqa: E402
 from rlkube.runtime.trainer import token_logprob  # noqa: E402
 
@@ -83,6 +84,31 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     }  # fmt: skip
     out.append(("sampling combine", decode._sample_combine_kernel, pick_ptrs, dict(BLOCK_S=32)))
     out.append(("silu mul", decode._silu_mul_kernel, {"GU": "*bf16", "OUT": "*bf16"}, dict(BLOCK=1024)))
+    lin_ptrs = {
+        **dict.fromkeys(("X", "W", "NORM_W", "BIAS", "OUT"), "*bf16"),
+        **dict.fromkeys(("WS", "WS_SQ"), "*fp32"), "COUNT": "*i32", "eps": F32,
+    }  # fmt: skip
+    # the small-batch linear layers as the decoder launches them (TritonSmallLinear.plan): q/k/v
+    # (norm, bias, split-K), o and down (residual, split-K), gate/up (norm, SiLU gate, one split);
+    # NVIDIA's 128-wide K blocks in 3 stages, AMD's 64-wide in 2
+    for name, norm, gated, residual, bias, split, bn in (
+        ("q/k/v", True, False, False, True, 3, 64),
+        ("o", False, False, True, False, 4, 64),
+        ("gate/up", True, True, False, False, 1, 32),
+        ("down", False, False, True, False, 9, 64),
+    ):
+        for bk, stages in ((128, 3), (64, 2)):
+            consts = dict(
+                NORM=norm, GATED=gated, RESIDUAL=residual, HAS_BIAS=bias, IEEE=False, SPLIT=split,
+                K_PER_SPLIT=2 * bk, BM=64, BN=bn, BK=bk, num_warps=4, num_stages=stages,
+            )  # fmt: skip
+            out.append((f"small linear {name} BK={bk}", decode_linear._small_linear_kernel, lin_ptrs, consts))
+    # the large-batch tile (blocks of 128 rows, 8 warps), gated: the largest accumulators
+    consts = dict(
+        NORM=True, GATED=True, RESIDUAL=False, HAS_BIAS=False, IEEE=False, SPLIT=2, K_PER_SPLIT=128,
+        BM=128, BN=128, BK=64, num_warps=8, num_stages=3,
+    )  # fmt: skip
+    out.append(("small linear gate/up 128x128", decode_linear._small_linear_kernel, lin_ptrs, consts))
     lp_ptrs = {
         "X": "*bf16", "GX": "*bf16", "TGT": "*i64", "inv_t": F32,
         **dict.fromkeys(("LP", "ENT", "LSE", "G_LP", "G_ENT"), "*fp32"),

@@ -69,7 +69,8 @@ def test_rollout_gpu_bench_smoke_without_rlkube_install_or_pydantic(tmp_path: Pa
         assert r["unique_read_bound"]["memory_seconds"] < r["bound"]["memory_seconds"]
         assert 0 < r["fraction_of_unique_read_bound"] <= r["fraction_of_bound"] < 1  # a lower bound time
         assert r["share_prompt_reads"] is True
-        assert r["kernels"] == {"attention": "sdpa", "sampling": "torch", "silu": "torch"}  # the CPU path
+        cpu_path = {"attention": "sdpa", "sampling": "torch", "silu": "torch", "linear": "torch"}
+        assert r["kernels"] == cpu_path
     rl = res["rl"]
     assert rl["response_len"]["min"] < rl["response_len"]["max"]  # drawn lengths
     assert rl["prefill_forwards"] == 1  # 3 prompts x 2 samples: one batched prefill
@@ -143,3 +144,27 @@ def test_decode_step_bench_times_the_attention_kernel_alone_per_launch_setting(t
     assert all("error" not in r and r["us"] > 0 and r["bytes_needed"] > 0 for r in rows)
     assert all(r["max_abs_diff_vs_first"] < 1e-4 for r in rows)  # float32 on the CPU
     assert [r["split"] for r in rows[:4]] == [128, 128, 128, 64]
+
+
+def test_decode_step_bench_times_each_linear_layer_against_cublas_and_the_step_with_it_off(
+    tmp_path: Path,
+) -> None:
+    """``--linear``: the four linear layers of a step, the unfused path and the fused kernel per
+    launch setting, the same outputs; and the step A/B with the kernel (``default``) and without
+    (``cublas``)."""
+    variants = ("default", "bn32", "2x", "t128")
+    proc = run_bench(
+        "decode_step_gpu.py", tmp_path, "--configs", "default,cublas", "--linear", ",".join(variants),
+        "--linear-rows", "8,100", "--no-capture-check", gpu_machine=True, env_extra={"TRITON_INTERPRET": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "decode-step-gpu.json").read_text())
+    rows = report["linear"]
+    layers = ("q/k/v", "o", "gate/up", "down")
+    assert [(r["rows"], r["linear"], r["variant"]) for r in rows] == [
+        (n, layer, v) for n in (8, 100) for layer in layers for v in ("cublas", *variants)
+    ]
+    assert all("error" not in r and r["us"] > 0 and r["bytes_needed"] > 0 for r in rows)
+    assert all(r["max_rel_diff_vs_cublas"] < 1e-5 for r in rows)  # float32 on the CPU
+    steps = {r["config"]: r for r in report["results"]}
+    assert steps["default"]["linear"] == "triton" and steps["cublas"]["linear"] == "torch"
