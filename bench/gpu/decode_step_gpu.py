@@ -45,7 +45,7 @@ import torch  # noqa: E402
 
 from rlkube.runtime.models.roofline import decode_step_bytes, decode_step_flops, model_cost  # noqa: E402
 from rlkube.runtime.models.tiny import make_qwen2_like, tiny_qwen2_config  # noqa: E402
-from rlkube.runtime.rollout.hf_decode import StaticDecoder  # noqa: E402
+from rlkube.runtime.rollout.hf_decode import LINEAR_MAX_ROWS_DEFAULT, StaticDecoder  # noqa: E402
 
 # name -> settings of the attention kernel: ``split`` (positions per program; None for the default
 # policy, "direct" for one program per row and KV head and no combine kernel), ``shared`` (each
@@ -70,10 +70,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "silu-inductor": {"silu": "inductor"},
     "cublaslt": {"blas": "cublaslt"},
     "eager-tail": {"tail": "eager"},
-    # the small-batch linear kernel (buckets of <= 64 rows): off (cuBLAS and the compiled norms /
-    # Triton SiLU around it), or its launch settings (TritonSmallLinear.launch: output columns
-    # per program ``bn``, K block ``bk``, programs aimed at per SM, warps, stages)
+    # the fused linear kernel (``decode_linear``; the engine's default row limit is
+    # hf_decode.LINEAR_MAX_ROWS_DEFAULT, which ``default`` follows): off (cuBLAS and the compiled
+    # norms / Triton SiLU around it), on for all the step's rows with the kernel's policy, or on
+    # with launch settings (TritonSmallLinear.launch: output columns per program ``bn``, K block
+    # ``bk``, programs aimed at per SM, warps)
     "cublas": {"linear": "off"},
+    "linear": {"linear": {}},
     "lin-bn32": {"linear": {"bn": 32}},
     "lin-bn64": {"linear": {"bn": 64}},
     "lin-bk64": {"linear": {"bk": 64}},
@@ -137,8 +140,11 @@ def configure(
         dec._mlp_in_fn = torch.compile(layer_mlp_in) if dec.compiled else layer_mlp_in
     split, shared = cfg.get("split"), min(cfg.get("shared", 0), context)  # never past a row's position
     if dec._linear is not None:
-        lin = cfg.get("linear", {})
-        dec.linear_max_rows = 0 if lin == "off" else dec._linear.MAX_ROWS
+        lin = cfg.get("linear")
+        # on: for the step's rows whatever their count (at 512 rows, the kernel's 128-row tiles)
+        dec.linear_max_rows = (
+            dec.B if isinstance(lin, dict) else 0 if lin == "off" else LINEAR_MAX_ROWS_DEFAULT
+        )
         dec._linear.launch = linear_launch(lin if isinstance(lin, dict) else {}, dec._linear.n_sm)
         dec.reserve_linear()
     dec.drop_graphs()
@@ -188,7 +194,7 @@ def bench(
     )
     dec = StaticDecoder(
         model, num_slots=rows, max_seq_len=context + args.steps + 8, max_new_tokens=args.steps + 4,
-        compile_step=compile_step, kernels_setting=True, use_cuda_graphs=None,
+        compile_step=compile_step, kernels_setting=True, use_cuda_graphs=None, linear_max_rows=rows,
     )  # fmt: skip
     default_split, default_mlp_in = dec._attention.split_for, dec._mlp_in_fn
     default_tail = (dec._seeds_fn, dec._final_norm_fn)

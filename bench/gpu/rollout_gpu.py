@@ -47,6 +47,7 @@ from rlkube.runtime.models.roofline import model_cost, rollout_bound  # noqa: E4
 from rlkube.runtime.models.tiny import make_qwen2_like, tiny_qwen2_config  # noqa: E402
 from rlkube.runtime.rollout.base import RolloutRequest, SamplingParams  # noqa: E402
 from rlkube.runtime.rollout.hf import HFEngine, teacher_forced_logprobs  # noqa: E402
+from rlkube.runtime.rollout.hf_decode import LINEAR_MAX_ROWS_DEFAULT  # noqa: E402
 
 
 def reset_peak(dev: torch.device) -> None:
@@ -111,11 +112,9 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
         compile_step={"auto": "auto", "on": True, "off": False, "max-autotune": "max-autotune"}[args.compile],
         kernels={"auto": "auto", "on": True, "off": False}[args.kernels],
         share_prompt_reads=args.share_prompt == "on",
+        linear_max_rows=LINEAR_MAX_ROWS_DEFAULT if args.linear_max_rows is None else args.linear_max_rows,
     )
     engine.decoder.compiled_prefill = args.prefill == "compiled"
-    if args.linear_max_rows is not None and engine.decoder._linear is not None:
-        engine.decoder.linear_max_rows = args.linear_max_rows  # before the first step captures
-        engine.decoder.reserve_linear()
     try:
         engine.generate(make_requests("w", vocab, warm_p, warm_r, samples, seed=2))  # compiles, captures
         common.sync(dev)
@@ -309,7 +308,8 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     ap.add_argument(
         "--linear-max-rows", type=int, default=None,
-        help="buckets up to this many rows run the fused linear kernel (0: cuBLAS; default: the engine's)",
+        help="buckets up to this many rows run the fused linear kernel (0: cuBLAS; default: the engine's, "
+        "hf_decode.LINEAR_MAX_ROWS_DEFAULT)",
     )  # fmt: skip
     ap.add_argument("--skip-generate", action="store_true")
     ap.add_argument("--profile", action="store_true", help="kernel tables of the b64 and b512 decode (GPU)")

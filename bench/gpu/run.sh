@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # `make bench-gpu`: the GPU benchmarks, run on a GPU machine (here: through the device tool, one
 # H200 with torch but no rlkube install, no Ray, no vLLM, no network).
-#   bash bench/gpu/run.sh [weights] [rollout] [trainer] [ipc] [decode-step]   (default: the first three)
+#   bash bench/gpu/run.sh [weights] [rollout] [trainer] [ipc] [decode-step] [linear-layers] [linear-rollout]
+#   (default: the first three)
+# linear-layers / linear-rollout: the fused linear kernel (rollout/decode_linear.py), not yet timed
+# on a GPU, in two calls of a few minutes each (linear-ab/ under $out): each layer alone against
+# cuBLAS per launch setting (64 and 512 rows) and the decode step with it on and off; then the
+# rollout at the engine's default and with the kernel on for buckets of <= 64 rows.
 # Extra arguments per bench: WEIGHTS_ARGS, ROLLOUT_ARGS, TRAINER_ARGS, IPC_ARGS, DECODE_STEP_ARGS
 # (e.g. ROLLOUT_ARGS="--sizes 0.5b").
 # Results: $OUT/<name>.json when OUT is set (the device tool), else bench/results/, and gpu-bounds.png.
@@ -32,6 +37,17 @@ for bench in ${*:-weights rollout trainer}; do
     trainer) OUT=$out python3 "$top/bench/gpu/trainer_gpu.py" ${TRAINER_ARGS:-} > "$out/trainer-gpu.log" || status=1 ;;
     ipc) OUT=$out python3 "$top/bench/gpu/ipc_gpu.py" ${IPC_ARGS:-} > "$out/ipc-gpu.log" || status=1 ;;
     decode-step) OUT=$out python3 "$top/bench/gpu/decode_step_gpu.py" ${DECODE_STEP_ARGS:-} > "$out/decode-step-gpu.log" || status=1 ;;
+    linear-layers)
+      mkdir -p "$out/linear-ab"
+      OUT=$out/linear-ab python3 "$top/bench/gpu/decode_step_gpu.py" --sizes 0.5b,1.5b --rows 64,512 \
+        --configs cublas,linear,cublas --linear default,bn32,bn64,bn128,bk64,2x,w8,t128,t64x128 \
+        --linear-rows 64,512 --repeats 5 --no-capture-check > "$out/linear-ab/decode-step-gpu.log" || status=1 ;;
+    linear-rollout)
+      mkdir -p "$out/linear-ab/on"
+      OUT=$out/linear-ab python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate \
+        > "$out/linear-ab/rollout-gpu.log" || status=1
+      OUT=$out/linear-ab/on python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate --linear-max-rows 64 \
+        > "$out/linear-ab/on/rollout-gpu.log" || status=1 ;;
     *) echo "unknown bench $bench"; status=2 ;;
   esac
 done

@@ -20,6 +20,8 @@ kernel per linear layer reads its weight tile once and does what sat around the 
   by that program, so a captured CUDA graph replays with no memset.
 
 ``small_linear_ref`` is the same maths in PyTorch (the CPU path and the self-check's reference).
+The decoder uses the kernel only when asked (``linear_max_rows``; off by default until it is timed
+on a GPU: ``bash bench/gpu/run.sh linear-layers linear-rollout``).
 """
 
 from __future__ import annotations

@@ -35,7 +35,12 @@ from rlkube.runtime.rollout.base import (
     expand_samples,
     sample_seed,
 )
-from rlkube.runtime.rollout.hf_decode import CompileSetting, KernelSetting, StaticDecoder
+from rlkube.runtime.rollout.hf_decode import (
+    LINEAR_MAX_ROWS_DEFAULT,
+    CompileSetting,
+    KernelSetting,
+    StaticDecoder,
+)
 from rlkube.runtime.rollout.registry import model_config_overrides, spec_dtype
 
 if TYPE_CHECKING:
@@ -114,6 +119,7 @@ class HFEngine(ThreadedEngine):
         kernels: KernelSetting = "auto",
         max_stop_ids: int = 8,
         share_prompt_reads: bool = True,
+        linear_max_rows: int = LINEAR_MAX_ROWS_DEFAULT,
         seed: int = 0,
         version: int = 0,
         config_overrides: dict[str, Any] | None = None,
@@ -140,6 +146,7 @@ class HFEngine(ThreadedEngine):
             use_cuda_graphs=cuda_graphs,
             compile_step=compile_step,
             kernels_setting=kernels,
+            linear_max_rows=linear_max_rows,
         )
         self.sync_every = sync_every or (16 if self.device.type == "cuda" else 4)
         self._version = version

@@ -32,11 +32,13 @@ memory) and captured graphs stay valid.
 
 A layer of a decode step is: norm + q/k/v GEMM, the attention kernel, the o GEMM accumulating into
 the residual in place (cuBLAS's C operand, no copy of the residual first), norm + gate/up GEMM +
-SiLU, the down GEMM into the residual in place. ``compile_step="auto"`` compiles the pure pieces
-around the GEMMs (the norms, SiLU, the slots' bookkeeping after sampling) with torch.compile on CUDA
-(one compile serves every layer and, after one recompile with a dynamic batch, every bucket) and
-falls back to eager, recording why, if it fails; a step whose CUDA graph capture fails decodes
-without graphs from then on, also recording why (``graph_error``).
+SiLU, the down GEMM into the residual in place. With ``linear_max_rows`` (opt-in, not yet timed on a
+GPU), buckets of up to that many rows run each linear layer as one Triton kernel with the norm,
+SiLU, residual add and split-K reduction folded in (``decode_linear``). ``compile_step="auto"``
+compiles the pure pieces around the GEMMs (the norms, SiLU, the slots' bookkeeping after
+sampling) with torch.compile on CUDA (one compile serves every layer and, after one recompile with
+a dynamic batch, every bucket) and falls back to eager, recording why, if it fails; a step whose
+CUDA graph capture fails decodes without graphs from then on, also recording why (``graph_error``).
 Logprobs are raw ``log_softmax(logits)`` of the sampled token (see ``rollout.base``).
 """
 
@@ -61,6 +63,12 @@ log = logging.getLogger(__name__)
 CompileSetting = bool | str
 COMPILE_SETTINGS = (True, False, "auto", "max-autotune")
 KernelSetting = bool | str  # True (required), False (PyTorch only) or "auto" (on GPUs, if they self-check)
+# Buckets of up to this many rows run the fused linear kernel (``decode_linear``) by default: none
+# yet. The kernel is tested in the interpreter and compiles for every target, but it has not been
+# timed on a GPU (the device was not lent in the session that built it); an earlier fused-norm
+# kernel of a different design was 2x slower than cuBLAS there. ``decode_step_gpu.py --linear``
+# and the ``cublas`` / ``linear`` step configs measure it; a measured win sets this to 64.
+LINEAR_MAX_ROWS_DEFAULT = 0
 
 
 @dataclass
@@ -119,8 +127,13 @@ class StaticDecoder:
         kernels_setting: KernelSetting = "auto",
         kv_bucket: int = 128,
         max_prefill_tokens: int = 16384,
+        linear_max_rows: int = LINEAR_MAX_ROWS_DEFAULT,
     ) -> None:
         cfg: Any = model.config
+        if not (isinstance(linear_max_rows, int) and linear_max_rows >= 0):
+            raise ValueError(
+                f"linear_max_rows must be an integer >= 0 (0: cuBLAS only), not {linear_max_rows!r}"
+            )
         if getattr(cfg, "use_sliding_window", False):
             raise ValueError("sliding-window attention is not supported by the hf rollout engine")
         self.model: Any = model
@@ -181,7 +194,7 @@ class StaticDecoder:
                 "leave it unset to use graphs wherever they run"
             )
         self.use_graphs = (dev.type == "cuda") if use_cuda_graphs is None else use_cuda_graphs
-        self._init_kernels(kernels_setting)
+        self._init_kernels(kernels_setting, linear_max_rows)
         if compile_step not in COMPILE_SETTINGS:
             allowed = "True, False, 'auto' or 'max-autotune'"
             raise ValueError(f"compile_step must be {allowed}, not {compile_step!r}")
@@ -245,8 +258,9 @@ class StaticDecoder:
         return mlp_in
 
     # ---- kernels ---------------------------------------------------------------------------
-    def _init_kernels(self, setting: KernelSetting) -> None:
-        """Triton attention, sampling and SiLU where they run and agree with their references."""
+    def _init_kernels(self, setting: KernelSetting, linear_max_rows: int = 0) -> None:
+        """Triton attention, sampling and SiLU where they run and agree with their references; the
+        fused linear kernel too when ``linear_max_rows`` asks for it."""
         if setting not in (True, False, "auto"):
             raise ValueError(f"kernels must be True, False or 'auto', not {setting!r}")
         self.kernel_errors: dict[str, str] = {}
@@ -278,16 +292,17 @@ class StaticDecoder:
                 vocab=self.vocab,
             )
             self._silu = self._checked_kernel("silu", lambda: kernels.silu_mul, rows=rows, inter=self.inter)
-            self._linear = self._checked_kernel(
-                "linear",
-                lambda: decode_linear.TritonSmallLinear(self.device),
-                check=decode_linear.self_check,
-                rows=min(self.B, decode_linear.TritonSmallLinear.MAX_ROWS),
-                hidden=self.hidden, inter=self.inter, n_qkv=(self.n_heads + 2 * self.n_kv) * self.head_dim,
-                n_att=self.n_heads * self.head_dim,
-            )  # fmt: skip
+            if linear_max_rows:
+                self._linear = self._checked_kernel(
+                    "linear",
+                    lambda: decode_linear.TritonSmallLinear(self.device),
+                    check=decode_linear.self_check,
+                    rows=min(self.B, linear_max_rows),
+                    hidden=self.hidden, inter=self.inter, n_att=self.n_heads * self.head_dim,
+                    n_qkv=(self.n_heads + 2 * self.n_kv) * self.head_dim,
+                )  # fmt: skip
             if self._linear is not None:
-                self.linear_max_rows = decode_linear.TritonSmallLinear.MAX_ROWS
+                self.linear_max_rows = linear_max_rows
                 self.reserve_linear()
         if setting is True and self.kernel_errors:
             raise RuntimeError(f"decode kernels unavailable: {self.kernel_errors}")

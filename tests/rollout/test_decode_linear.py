@@ -112,3 +112,16 @@ def test_reference_is_the_decoders_unfused_layer() -> None:
     res = torch.randn(3, 12, generator=g)
     want = hf_decode.residual_linear_(res.clone(), x, w, None)
     assert torch.allclose(decode_linear.small_linear_ref(x, w, out=res.clone()), want)
+
+
+def test_decoder_refuses_a_negative_row_limit_for_the_kernel() -> None:
+    from transformers import AutoModelForCausalLM
+
+    from rlkube.runtime.models.tiny import tiny_qwen2_config
+    from rlkube.runtime.rollout.hf_decode import StaticDecoder
+
+    model = AutoModelForCausalLM.from_config(tiny_qwen2_config(40, hidden_size=64, num_heads=2)).eval()
+    with pytest.raises(ValueError, match="linear_max_rows must be an integer >= 0"):
+        StaticDecoder(model, num_slots=4, max_seq_len=16, max_new_tokens=4, linear_max_rows=-1)
+    off = StaticDecoder(model, num_slots=4, max_seq_len=16, max_new_tokens=4, kernels_setting=False)
+    assert off.kernels_used["linear"] == "torch" and off.linear_max_rows == 0

@@ -221,7 +221,7 @@ ENGINE_SCRIPT = textwrap.dedent(
             for i, p in enumerate([[1, 5, 6, 7], [1, 9, 8]]) for m in (3, 9)]
     outs = {}
     for k in (False, True):
-        with HFEngine(model=model, num_slots=8, max_seq_len=32, kernels=k) as eng:
+        with HFEngine(model=model, num_slots=8, max_seq_len=32, kernels=k, linear_max_rows=8) as eng:
             outs[k] = (eng.generate(reqs), eng.decoder.kernels_used)
     a, b = outs[False][0], outs[True][0]
     err = max(max(abs(x - y) for x, y in zip(p.logprobs, q.logprobs)) for p, q in zip(a, b))

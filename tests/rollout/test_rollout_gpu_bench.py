@@ -150,11 +150,11 @@ def test_decode_step_bench_times_each_linear_layer_against_cublas_and_the_step_w
     tmp_path: Path,
 ) -> None:
     """``--linear``: the four linear layers of a step, the unfused path and the fused kernel per
-    launch setting, the same outputs; and the step A/B with the kernel (``default``) and without
+    launch setting, the same outputs; and the step A/B with the kernel (``linear``) and without
     (``cublas``)."""
     variants = ("default", "bn32", "2x", "t128")
     proc = run_bench(
-        "decode_step_gpu.py", tmp_path, "--configs", "default,cublas", "--linear", ",".join(variants),
+        "decode_step_gpu.py", tmp_path, "--configs", "linear,cublas", "--linear", ",".join(variants),
         "--linear-rows", "8,100", "--no-capture-check", gpu_machine=True, env_extra={"TRITON_INTERPRET": "1"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -167,4 +167,4 @@ def test_decode_step_bench_times_each_linear_layer_against_cublas_and_the_step_w
     assert all("error" not in r and r["us"] > 0 and r["bytes_needed"] > 0 for r in rows)
     assert all(r["max_rel_diff_vs_cublas"] < 1e-5 for r in rows)  # float32 on the CPU
     steps = {r["config"]: r for r in report["results"]}
-    assert steps["default"]["linear"] == "triton" and steps["cublas"]["linear"] == "torch"
+    assert steps["linear"]["linear"] == "triton" and steps["cublas"]["linear"] == "torch"
