@@ -112,6 +112,7 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
         compile_step={"auto": "auto", "on": True, "off": False, "max-autotune": "max-autotune"}[args.compile],
         kernels={"auto": "auto", "on": True, "off": False}[args.kernels],
         share_prompt_reads=args.share_prompt == "on",
+        harvest_tokens=args.harvest == "on",
         linear_max_rows=LINEAR_MAX_ROWS_DEFAULT if args.linear_max_rows is None else args.linear_max_rows,
     )
     engine.decoder.compiled_prefill = args.prefill == "compiled"
@@ -122,6 +123,7 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
         d = engine.decoder
         d.steps_by_bucket.clear()
         moved0, prefill0 = d.rows_moved, d.prefill_forwards
+        routes0 = dict(engine.tokens_by_route)
         reqs = make_requests("q", vocab, p_lens, r_lens, samples, seed=1)
         reset_peak(dev)
         engine.phase_events = []  # filled on CUDA only (the engine records no events elsewhere)
@@ -157,6 +159,7 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
             "graph_error": (d.graph_error or "")[-3000:] or None,
             "kernels": d.kernels_used,
             "linear_max_rows": d.linear_max_rows,
+            "harvest_tokens": engine.harvest_tokens,
             "kernel_errors": d.kernel_errors,
             "graphs_captured": len(d._graphs),
             "steps_by_bucket": dict(sorted(d.steps_by_bucket.items())),
@@ -167,6 +170,8 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
             # and the rest (the GPU idle while the host collects, plans and launches)
             "phase_seconds": phases,
             "gpu_idle_seconds": dt - sum(phases.values()) if phases else None,
+            # tokens copied behind their chunk vs read at collection (while the GPU waits)
+            "tokens_by_route": {k: v - routes0[k] for k, v in engine.tokens_by_route.items()},
             "logprob_max_abs_err_vs_teacher_forced": max(errs),
             "_lengths": (p_lens, r_lens, samples),
         }
@@ -305,6 +310,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--prefill", choices=["compiled", "eager"], default="eager",
         help="the prefill eager (the engine's default), or through the decode step's compiled functions",
+    )  # fmt: skip
+    ap.add_argument(
+        "--harvest", choices=["on", "off"], default="on",
+        help="copy each chunk's tokens to the host behind it (default), or read them all at collection",
     )  # fmt: skip
     ap.add_argument(
         "--linear-max-rows", type=int, default=None,

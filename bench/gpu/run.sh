@@ -2,7 +2,9 @@
 # `make bench-gpu`: the GPU benchmarks, run on a GPU machine (here: through the device tool, one
 # H200 with torch but no rlkube install, no Ray, no vLLM, no network).
 #   bash bench/gpu/run.sh [weights] [rollout] [trainer] [ipc] [decode-step] [linear-layers] [linear-rollout]
-#   (default: the first three)
+#   [harvest-ab]   (default: the first three)
+# harvest-ab: the rollout with each chunk's tokens copied to the host behind it (the default) and
+# without (all read at collection), one after the other (harvest-ab/ under $out).
 # linear-layers / linear-rollout: the fused linear kernel (rollout/decode_linear.py), not yet timed
 # on a GPU, in two calls of a few minutes each (linear-ab/ under $out): each layer alone against
 # cuBLAS per launch setting (64 and 512 rows) and the decode step with it on and off; then the
@@ -42,6 +44,12 @@ for bench in ${*:-weights rollout trainer}; do
       OUT=$out/linear-ab python3 "$top/bench/gpu/decode_step_gpu.py" --sizes 0.5b,1.5b --rows 64,512 \
         --configs cublas,linear,cublas --linear default,bn32,bn64,bn128,bk64,2x,w8,t128,t64x128 \
         --linear-rows 64,512 --repeats 5 --no-capture-check > "$out/linear-ab/decode-step-gpu.log" || status=1 ;;
+    harvest-ab)
+      mkdir -p "$out/harvest-ab/off"
+      OUT=$out/harvest-ab python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate --shapes b64,b512 \
+        > "$out/harvest-ab/rollout-gpu.log" || status=1
+      OUT=$out/harvest-ab/off python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate --shapes b64,b512 \
+        --harvest off > "$out/harvest-ab/off/rollout-gpu.log" || status=1 ;;
     linear-rollout)
       mkdir -p "$out/linear-ab/on"
       OUT=$out/linear-ab python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate \

@@ -3,11 +3,14 @@
 A background thread drives ``StaticDecoder`` over a fixed set of slots: it admits waiting samples
 into free slots (one batched prefill per round, one forward per distinct prompt), keeps the live
 samples in the lowest rows (moving a sample down when that lets steps run over a smaller batch
-bucket), runs up to ``sync_every`` decode steps without looking at the host, then collects
-finished slots. ``submit``/``poll`` are therefore truly asynchronous; ``generate`` is
-submit-and-wait. ``abort_all`` pauses the loop at its next sync point and hands back every
-unfinished sample with the tokens it has; ``resume`` re-prefills prompt + those tokens (under
-whatever weights are loaded now) and continues with the remaining budget.
+bucket), runs up to ``sync_every`` decode steps without looking at the host, then collects finished
+slots. Each chunk's new tokens are copied to the host behind the chunk (asynchronously on CUDA) and
+turned into Python lists while the next chunk runs, so collecting a finished batch costs one chunk's
+worth of list building, not the whole response's, while the GPU waits. ``submit``/``poll`` are
+therefore truly asynchronous; ``generate`` is submit-and-wait. ``abort_all`` pauses the loop at its
+next sync point and hands back every unfinished sample with the tokens it has; ``resume``
+re-prefills prompt + those tokens (under whatever weights are loaded now) and continues with the
+remaining budget.
 """
 
 from __future__ import annotations
@@ -61,6 +64,19 @@ class _Work:
     max_pos: int = 0  # host-side upper bound of the slot's position
     remaining: int = 0  # host-side upper bound of the decode steps this segment still needs
     prefill: int = -1  # which prefill wrote its prefix's K/V (samples of one share it)
+    harvested: int = 0  # this segment's tokens already in ``completion`` (the rest is on the device)
+
+
+@dataclass
+class _Harvest:
+    """One chunk's tokens on their way to the host: for each row, ``width`` columns from the first
+    one its sample had not read yet, copied after the chunk's steps; read while the next runs."""
+
+    works: list[tuple[_Work, int, int]]  # each sample of the chunk, its row then, its first column
+    n_gen: torch.Tensor  # [rows] host copies
+    tok: torch.Tensor  # [rows, width]
+    lp: torch.Tensor  # [rows, width]
+    event: Any  # a CUDA event after the copies (None on the CPU: they were synchronous)
 
 
 def _key_for(params: SamplingParams, sample_index: int, offset: int, rng: torch.Generator) -> int:
@@ -119,6 +135,7 @@ class HFEngine(ThreadedEngine):
         kernels: KernelSetting = "auto",
         max_stop_ids: int = 8,
         share_prompt_reads: bool = True,
+        harvest_tokens: bool = True,
         linear_max_rows: int = LINEAR_MAX_ROWS_DEFAULT,
         seed: int = 0,
         version: int = 0,
@@ -161,6 +178,17 @@ class HFEngine(ThreadedEngine):
         self._slots: list[_Work | None] = [None] * num_slots
         # the samples of one prefill read their prompt's K/V from one row (the attention kernel)
         self.share_prompt_reads = share_prompt_reads
+        # copy each chunk's tokens to the host behind it (False: all at collection, the A/B)
+        self.harvest_tokens = harvest_tokens
+        self._harvest: _Harvest | None = None  # the newest chunk's, not yet fully read
+        self._harvest_prev: _Harvest | None = None  # the chunk before it's, read while this one runs
+        # two sets of host buffers (each row's first column, n_gen, tokens, logprobs), alternating
+        # between chunks, and each row's columns to gather on the device
+        self._harvest_bufs: list[tuple[torch.Tensor, ...] | None] = [None, None]
+        self._harvest_cols = torch.arange(self.decoder.T + 1, device=self.device)
+        self._harvest_count = 0
+        # tokens moved into completions by each route: behind the chunks, or read at collection
+        self.tokens_by_route = {"harvest": 0, "collect": 0}
         self._prefills = 0
         self._shares_stale = False
         self._pause = 0  # callers waiting for the loop to stop at a sync point
@@ -559,6 +587,68 @@ class HFEngine(ThreadedEngine):
         for w in active:
             w.max_pos = min(w.max_pos + done, len(w.prefix) + w.params.max_tokens - 1, d.S - 1)
             w.remaining = max(0, w.remaining - done)
+        if self.harvest_tokens and done:
+            self._start_harvest(active, nb)
+
+    def _start_harvest(self, active: list[_Work], rows: int) -> None:
+        """Queue the copy of the chunk's new tokens to the host (``_read_harvest`` takes them).
+
+        Each row's window starts at its first unread column and is as wide as the most tokens any
+        row can have gained since (its budget minus what is left of it, minus what was read): at
+        most two chunks and the admission's token, whatever the rows' ages."""
+        s = self.decoder.state
+        width = max(w.params.max_tokens - w.remaining - w.harvested for w in active)
+        if width <= 0:
+            return
+        # the previous chunk's buffers are read while this one fills the other set (pinned on CUDA,
+        # so neither the copy of the starts nor of the tokens makes the host wait for the chunk)
+        k = self._harvest_count % 2
+        self._harvest_count += 1
+        size = rows * width
+        pin = self.device.type == "cuda"
+        bufs = self._harvest_bufs[k]
+        if bufs is None or bufs[0].numel() < rows or bufs[2].numel() < size:
+            have_rows, have = (0, 0) if bufs is None else (bufs[0].numel(), bufs[2].numel())
+            bufs = (
+                torch.empty(max(rows, have_rows), dtype=torch.long, pin_memory=pin),
+                torch.empty(max(rows, have_rows), dtype=torch.long, pin_memory=pin),
+                torch.empty(max(size, have), dtype=torch.long, pin_memory=pin),
+                torch.empty(max(size, have), dtype=torch.float32, pin_memory=pin),
+            )
+            self._harvest_bufs[k] = bufs
+        s_buf, n_buf, t_buf, l_buf = bufs
+        starts = [0] * rows
+        for w in active:
+            starts[w.slot] = w.harvested
+        s_host = s_buf[:rows]
+        s_host.copy_(torch.tensor(starts, dtype=torch.long))
+        cols = (s_host.to(self.device, non_blocking=pin)[:, None] + self._harvest_cols[:width]).clamp_(
+            max=self.decoder.T
+        )
+        n_gen, tok, lp = n_buf[:rows], t_buf[:size].view(rows, width), l_buf[:size].view(rows, width)
+        n_gen.copy_(s.n_gen[:rows], non_blocking=pin)
+        tok.copy_(s.out_tok[:rows].gather(1, cols), non_blocking=pin)
+        lp.copy_(s.out_lp[:rows].gather(1, cols), non_blocking=pin)
+        event = None
+        if pin:
+            event = torch.cuda.Event()
+            event.record()
+        self._harvest_prev = self._harvest
+        self._harvest = _Harvest([(w, w.slot, w.harvested) for w in active], n_gen, tok, lp, event)
+
+    def _read_harvest(self, h: _Harvest, rows: set[int] | None = None) -> None:
+        """Move a harvest's tokens into the samples' completions (only ``rows``, if given)."""
+        if h.event is not None:
+            h.event.synchronize()
+        n_gen, toks, lps = h.n_gen.tolist(), h.tok.tolist(), h.lp.tolist()
+        for w, row, start in h.works:
+            n = n_gen[row]
+            if n <= w.harvested or (rows is not None and row not in rows):
+                continue
+            a, b = w.harvested - start, n - start
+            w.completion.extend(toks[row][a:b], lps[row][a:b], w.version)
+            w.harvested = n
+            self.tokens_by_route["harvest"] += b - a
 
     def _share_prompts(self) -> None:
         """Point every live sample at the lowest live row filled by the same prefill: rows hold
@@ -577,6 +667,11 @@ class HFEngine(ThreadedEngine):
         self._shares_stale = False
 
     def _collect_finished(self) -> None:
+        """After a chunk was launched: read the previous chunk's tokens (the GPU is busy with this
+        one), then wait for this chunk's finished flags and collect the finished samples."""
+        if self._harvest_prev is not None:
+            self._read_harvest(self._harvest_prev)
+            self._harvest_prev = None
         slots = [i for i, w in enumerate(self._slots) if w is not None]
         if not slots:
             return
@@ -586,21 +681,29 @@ class HFEngine(ThreadedEngine):
             self._finished.extend(self._collect(done, aborted=False))
 
     def _collect(self, slots: list[int], aborted: bool) -> list[Completion]:
-        """Move the slots' tokens into their completions and free the slots."""
+        """Move the slots' tokens into their completions and free the slots: what the harvests
+        have not brought over yet is read from the device here."""
         s = self.decoder.state
+        if self._harvest is not None:  # the newest harvest's copy of these rows, already made
+            self._read_harvest(self._harvest, set(slots))
+        works = [self._slots[i] for i in slots]
         idx = torch.tensor(slots, dtype=torch.long, device=self.device)
         n_gen = s.n_gen[idx].tolist()
         stopped = s.stopped[idx].tolist()
-        width = max(n_gen, default=0)  # read only the generated columns, not the whole budget
-        toks = s.out_tok[idx, :width].tolist()
-        lps = s.out_lp[idx, :width].tolist()
+        first = min((w.harvested for w in works if w is not None), default=0)
+        width = max(n_gen, default=0)  # read only the columns not harvested yet
+        toks = s.out_tok[idx, first:width].tolist() if width > first else [[] for _ in slots]
+        lps = s.out_lp[idx, first:width].tolist() if width > first else [[] for _ in slots]
         s.running[idx] = False
         out = []
         for j, slot in enumerate(slots):
             w = self._slots[slot]
             assert w is not None
             n = n_gen[j]
-            w.completion.extend(toks[j][:n], lps[j][:n], w.version)
+            a, b = w.harvested - first, n - first
+            w.completion.extend(toks[j][a:b], lps[j][a:b], w.version)
+            w.harvested = n
+            self.tokens_by_route["collect"] += max(0, b - a)
             if aborted:
                 w.completion.finish_reason = "abort"
             else:

@@ -113,6 +113,29 @@ def test_finished_samples_free_their_rows_and_the_batch_shrinks(model: Any) -> N
         assert torch.allclose(torch.tensor(c.logprobs), tf, atol=LOGPROB_ATOL)
 
 
+def test_tokens_harvested_behind_each_chunk_equal_tokens_read_at_collection(model: Any) -> None:
+    """More samples than slots (rows refilled while others run), mixed lengths, a stop token and
+    2-step chunks: completions built from the per-chunk copies are exactly those read from the
+    device at collection, and the copies carry every token."""
+    reqs = _mixed_length_requests() + [
+        RolloutRequest(f"s{i}", [1, 3 + i], SamplingParams(n=3, max_tokens=25, stop_token_ids=[7], seed=i))
+        for i in range(4)
+    ]
+    out, routes = {}, {}
+    for harvest in (True, False):
+        with HFEngine(model=model, num_slots=16, max_seq_len=64, sync_every=2, harvest_tokens=harvest) as eng:
+            out[harvest] = eng.generate(reqs)
+            routes[harvest] = dict(eng.tokens_by_route)
+            assert eng.decoder.rows_moved > 0
+    fields = ("request_id", "sample_index", "token_ids", "logprobs", "token_versions", "finish_reason")
+    on, off = ([tuple(getattr(c, f) for f in fields) for c in out[k]] for k in (True, False))
+    assert on == off
+    assert {c.finish_reason for c in out[True]} == {"stop", "length"}
+    total = sum(len(c.token_ids) for c in out[True])
+    assert routes[False] == {"harvest": 0, "collect": total}
+    assert routes[True] == {"harvest": total, "collect": 0}  # collection read nothing more
+
+
 def test_gumbel_sampling_is_exact_reproducible_and_greedy_at_zero() -> None:
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(1, 12, generator=g) * 2

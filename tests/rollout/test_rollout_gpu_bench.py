@@ -71,6 +71,8 @@ def test_rollout_gpu_bench_smoke_without_rlkube_install_or_pydantic(tmp_path: Pa
         assert r["share_prompt_reads"] is True
         cpu_path = {"attention": "sdpa", "sampling": "torch", "silu": "torch", "linear": "torch"}
         assert r["kernels"] == cpu_path
+        # every token came over behind its chunk, none was left for the collection
+        assert r["harvest_tokens"] and r["tokens_by_route"] == {"harvest": r["tokens"], "collect": 0}
     rl = res["rl"]
     assert rl["response_len"]["min"] < rl["response_len"]["max"]  # drawn lengths
     assert rl["prefill_forwards"] == 1  # 3 prompts x 2 samples: one batched prefill
