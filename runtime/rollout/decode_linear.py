@@ -232,15 +232,18 @@ class TritonSmallLinear:
         warps = self.launch.get("num_warps", 4 if small else 8)
         return LinearPlan(bm, bn, bk, split, per * bk, n_tiles, m_tiles, warps, min(stages, per + 1))
 
-    def reserve(self, rows: int, n_out: int, k: int, gated: bool) -> None:
-        """Grow the workspace and counters for a call of this shape (before any graph capture)."""
+    def reserve(self, rows: int, n_out: int, k: int, gated: bool) -> bool:
+        """Grow the workspace and counters for a call of this shape (before any graph capture);
+        True if a buffer moved (graphs captured before then hold its old address)."""
         ws, ws_sq, count = self.plan(rows, n_out, k, gated).workspace
+        moved = False
         if ws > self.ws.numel():
-            self.ws = torch.empty(ws, dtype=torch.float32, device=self.device)
+            self.ws, moved = torch.empty(ws, dtype=torch.float32, device=self.device), True
         if ws_sq > self.ws_sq.numel():
-            self.ws_sq = torch.empty(ws_sq, dtype=torch.float32, device=self.device)
+            self.ws_sq, moved = torch.empty(ws_sq, dtype=torch.float32, device=self.device), True
         if count > self.count.numel():
-            self.count = torch.zeros(count, dtype=torch.int32, device=self.device)
+            self.count, moved = torch.zeros(count, dtype=torch.int32, device=self.device), True
+        return moved
 
     def __call__(
         self,

@@ -194,6 +194,8 @@ class StaticDecoder:
                 "leave it unset to use graphs wherever they run"
             )
         self.use_graphs = (dev.type == "cuda") if use_cuda_graphs is None else use_cuda_graphs
+        self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
+        self._pool: Any = None
         self._init_kernels(kernels_setting, linear_max_rows)
         if compile_step not in COMPILE_SETTINGS:
             allowed = "True, False, 'auto' or 'max-autotune'"
@@ -220,8 +222,6 @@ class StaticDecoder:
             # eager, the seeds' 32-bit hash was ~25 one-microsecond integer kernels per step
             self._seeds_fn = torch.compile(kernels.row_seeds)
             self._final_norm_fn = torch.compile(final_norm)
-        self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
-        self._pool: Any = None
         # host-side counters (benchmarks and tests read them): steps per batch bucket, rows moved
         self.steps_by_bucket: dict[int, int] = {}
         self.rows_moved = 0
@@ -337,19 +337,24 @@ class StaticDecoder:
         }
 
     def reserve_linear(self) -> None:
-        """Size the small-batch linear kernel's workspace for every bucket it serves (before any
-        graph capture: a graph keeps the workspace's address). Call again after changing its
-        launch settings."""
+        """Size the small-batch linear kernel's workspace for every bucket it serves. Call again
+        after changing ``linear_max_rows`` or the kernel's launch settings: a graph keeps the
+        workspace's address, so if a buffer has to move, the captured graphs are dropped."""
         lin = self._linear
         if lin is None:
             return
         h, n_att = self.hidden, self.n_heads * self.head_dim
-        for nb in self.buckets:
-            if nb <= self.linear_max_rows:
-                lin.reserve(nb, (self.n_heads + 2 * self.n_kv) * self.head_dim, h, gated=False)
-                lin.reserve(nb, h, n_att, gated=False)
-                lin.reserve(nb, self.inter, h, gated=True)
-                lin.reserve(nb, h, self.inter, gated=False)
+        shapes = (
+            ((self.n_heads + 2 * self.n_kv) * self.head_dim, h, False),
+            (h, n_att, False),
+            (self.inter, h, True),
+            (h, self.inter, False),
+        )
+        moved = [
+            lin.reserve(nb, *shape) for nb in self.buckets if nb <= self.linear_max_rows for shape in shapes
+        ]
+        if any(moved):
+            self.drop_graphs()
 
     # ---- weights ---------------------------------------------------------------------------
     def refresh_fused(self) -> None:

@@ -59,13 +59,17 @@ SCRIPT = textwrap.dedent(
                 row_blocks[key] = plan.m_tiles
     # a call the workspace was not reserved for raises instead of growing it under a graph
     fn.launch = {"programs": 64, "bn": 16, "bk": 16}
+    # reserving a shape that fits moves nothing (captured graphs stay valid); a bigger one does
+    same = fn.reserve(64, 40, 100, False)
+    grown = fn.reserve(64, 40, 4000, False)
     try:
-        fn(torch.randn(64, 4000), torch.randn(40, 4000), out=torch.zeros(64, 40))
+        fn(torch.randn(64, 4000), torch.randn(640, 4000), out=torch.zeros(64, 640))
         unreserved = None
     except RuntimeError as exc:
         unreserved = str(exc)
     print(json.dumps({"errs": errs, "splits": splits, "row_blocks": row_blocks, "repeat_same": repeat_same,
-                      "counters": int(fn.count.abs().sum()), "unreserved": unreserved}))
+                      "counters": int(fn.count.abs().sum()), "unreserved": unreserved,
+                      "reserve_moved": [same, grown]}))
     """
 )
 
@@ -82,6 +86,7 @@ def test_every_layer_kind_and_split_matches_the_reference_in_the_interpreter(
     assert out["repeat_same"], "a second launch (a graph replay) must give bitwise the same output"
     assert out["counters"] == 0, "the last program of each tile resets its counter"
     assert out["unreserved"] and "not reserved" in out["unreserved"]
+    assert out["reserve_moved"] == [False, True]
 
 
 def test_plan_fills_the_gpu() -> None:
