@@ -66,7 +66,7 @@ KernelSetting = bool | str  # True (required), False (PyTorch only) or "auto" (o
 # Buckets of up to this many rows run the fused linear kernel (``decode_linear``) by default: none
 # yet. The kernel is tested in the interpreter and compiles for every target, but it has not been
 # timed on a GPU (the device was not lent in the session that built it); an earlier fused-norm
-# kernel of a different design was 2x slower than cuBLAS there. ``decode_step_gpu.py --linear``
+# kernel of a different design was 2.3-3x slower than cuBLAS there. ``decode_step_gpu.py --linear``
 # and the ``cublas`` / ``linear`` step configs measure it; a measured win sets this to 64.
 LINEAR_MAX_ROWS_DEFAULT = 0
 
