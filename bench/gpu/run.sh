@@ -5,8 +5,8 @@
 #   [harvest-ab]   (default: the first three)
 # harvest-ab: the rollout with each chunk's tokens copied to the host behind it (the default) and
 # without (all read at collection), one after the other (harvest-ab/ under $out).
-# linear-layers / linear-rollout: the fused linear kernel (rollout/decode_linear.py), not yet timed
-# on a GPU, in two calls of a few minutes each (linear-ab/ under $out): each layer alone against
+# linear-layers / linear-rollout: the fused linear kernel (rollout/decode_linear.py; off, slower on
+# an H100 at stop 29), in two calls of a few minutes each (linear-ab/ under $out): each layer alone against
 # cuBLAS per launch setting (64 and 512 rows) and the decode step with it on and off; then the
 # rollout at the engine's default and with the kernel on for buckets of <= 64 rows.
 # Extra arguments per bench: WEIGHTS_ARGS, ROLLOUT_ARGS, TRAINER_ARGS, IPC_ARGS, DECODE_STEP_ARGS

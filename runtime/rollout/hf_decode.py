@@ -32,13 +32,14 @@ memory) and captured graphs stay valid.
 
 A layer of a decode step is: norm + q/k/v GEMM, the attention kernel, the o GEMM accumulating into
 the residual in place (cuBLAS's C operand, no copy of the residual first), norm + gate/up GEMM +
-SiLU, the down GEMM into the residual in place. With ``linear_max_rows`` (opt-in, not yet timed on a
-GPU), buckets of up to that many rows run each linear layer as one Triton kernel with the norm,
-SiLU, residual add and split-K reduction folded in (``decode_linear``). ``compile_step="auto"``
-compiles the pure pieces around the GEMMs (the norms, SiLU, the slots' bookkeeping after
-sampling) with torch.compile on CUDA (one compile serves every layer and, after one recompile with
-a dynamic batch, every bucket) and falls back to eager, recording why, if it fails; a step whose
-CUDA graph capture fails decodes without graphs from then on, also recording why (``graph_error``).
+SiLU, the down GEMM into the residual in place. With ``linear_max_rows`` (opt-in: slower on an
+H100, see ``LINEAR_MAX_ROWS_DEFAULT``), buckets of up to that many rows run each linear layer as
+one Triton kernel with the norm, SiLU, residual add and split-K reduction folded in
+(``decode_linear``). ``compile_step="auto"`` compiles the pure pieces around the GEMMs (the norms,
+SiLU, the slots' bookkeeping after sampling) with torch.compile on CUDA (one compile serves every
+layer and, after one recompile with a dynamic batch, every bucket) and falls back to eager,
+recording why, if it fails; a step whose CUDA graph capture fails decodes without graphs from then
+on, also recording why (``graph_error``).
 Logprobs are raw ``log_softmax(logits)`` of the sampled token (see ``rollout.base``).
 """
 
@@ -63,11 +64,10 @@ log = logging.getLogger(__name__)
 CompileSetting = bool | str
 COMPILE_SETTINGS = (True, False, "auto", "max-autotune")
 KernelSetting = bool | str  # True (required), False (PyTorch only) or "auto" (on GPUs, if they self-check)
-# Buckets of up to this many rows run the fused linear kernel (``decode_linear``) by default: none
-# yet. The kernel is tested in the interpreter and compiles for every target, but it has not been
-# timed on a GPU (the device was not lent in the session that built it); an earlier fused-norm
-# kernel of a different design was 2.3-3x slower than cuBLAS there. ``decode_step_gpu.py --linear``
-# and the ``cublas`` / ``linear`` step configs measure it; a measured win sets this to 64.
+# Buckets of up to this many rows run the fused linear kernel (``decode_linear``) by default: none.
+# On an H100 it was slower than the cuBLAS path on every layer at 64 rows (1.3-2.2x; the step 1.505
+# vs 1.155 ms at 0.5B, 3.358 vs 2.129 ms at 1.5B; docs/benchmarks.md, stop 29), so it stays an A/B
+# (``decode_step_gpu.py --linear`` and the ``cublas`` / ``linear`` step configs).
 LINEAR_MAX_ROWS_DEFAULT = 0
 
 
