@@ -526,15 +526,14 @@ def bench_linear(
         ("down", lambda: hf_decode.residual_linear_(res, hid, w_down, None),
          lambda lin: lin(hid, w_down, out=res), (w_down.numel() + rows * (inter + 2 * h)) * el),
     ]  # fmt: skip
+    shapes = decode_linear.decode_layer_shapes(h, inter, n_att, n_qkv)
     out: list[dict[str, Any]] = []
     for layer, unfused, fused, needed in layers:
         entries: list[tuple[str, Any]] = [("cublas", unfused)]
         for name in names:
             lin = decode_linear.TritonSmallLinear(dev)
             lin.launch = linear_launch(LINEAR_VARIANTS[name], lin.n_sm)
-            shapes = ((n_qkv, h, False), (h, n_att, False), (inter, h, True), (h, inter, False))
-            for n_out, k, gated in shapes:
-                lin.reserve(rows, n_out, k, gated)
+            lin.reserve(rows, *shapes[layer])
             entries.append((name, functools.partial(fused, lin)))
         base, want = None, None
         for name, call in entries:

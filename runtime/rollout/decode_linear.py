@@ -158,6 +158,16 @@ def small_linear_ref(
     return out.add_(y)
 
 
+def decode_layer_shapes(hidden: int, inter: int, n_att: int, n_qkv: int) -> dict[str, tuple[int, int, bool]]:
+    """A decoder layer's four calls as (outputs, K, gated): what ``reserve`` needs for each."""
+    return {
+        "q/k/v": (n_qkv, hidden, False),
+        "o": (hidden, n_att, False),
+        "gate/up": (inter, hidden, True),
+        "down": (hidden, inter, False),
+    }
+
+
 @dataclass(frozen=True)
 class LinearPlan:
     """How one call is cut: ``m_tiles`` x ``n_tiles`` output tiles of ``bm`` x ``bn``, each over
@@ -306,14 +316,14 @@ def self_check(fn: TritonSmallLinear, device: torch.device, *, rows: int, hidden
         "down": (rand(rows, inter), rand(hidden, inter, scale=0.02), None, None, False, True),
     }
     tol = 2e-2 if dtype != torch.float32 else 1e-4
+
+    def up(t: torch.Tensor | None) -> torch.Tensor | None:
+        return None if t is None else t.float()
+
     try:
         for name, (a, w, nw, bias, gated, residual) in cases.items():
             for m in sorted({1, rows}):
                 fn.reserve(m, w.shape[0] // (2 if gated else 1), w.shape[1], gated)
-
-                def up(t: torch.Tensor | None) -> torch.Tensor | None:
-                    return None if t is None else t.float()
-
                 out = res[:m].to(torch.float32, copy=True) if residual else None
                 want = small_linear_ref(
                     a[:m].float(), w.float(), norm=up(nw), eps=1e-6, bias=up(bias), gated=gated, out=out

@@ -686,19 +686,18 @@ class HFEngine(ThreadedEngine):
         s = self.decoder.state
         if self._harvest is not None:  # the newest harvest's copy of these rows, already made
             self._read_harvest(self._harvest, set(slots))
-        works = [self._slots[i] for i in slots]
+        works = [w for w in (self._slots[i] for i in slots) if w is not None]
+        assert len(works) == len(slots), "collecting an empty slot"
         idx = torch.tensor(slots, dtype=torch.long, device=self.device)
         n_gen = s.n_gen[idx].tolist()
         stopped = s.stopped[idx].tolist()
-        first = min((w.harvested for w in works if w is not None), default=0)
+        first = min((w.harvested for w in works), default=0)
         width = max(n_gen, default=0)  # read only the columns not harvested yet
         toks = s.out_tok[idx, first:width].tolist() if width > first else [[] for _ in slots]
         lps = s.out_lp[idx, first:width].tolist() if width > first else [[] for _ in slots]
         s.running[idx] = False
         out = []
-        for j, slot in enumerate(slots):
-            w = self._slots[slot]
-            assert w is not None
+        for j, (slot, w) in enumerate(zip(slots, works, strict=True)):
             n = n_gen[j]
             a, b = w.harvested - first, n - first
             w.completion.extend(toks[j][a:b], lps[j][a:b], w.version)

@@ -343,13 +343,12 @@ class StaticDecoder:
         lin = self._linear
         if lin is None:
             return
-        h, n_att = self.hidden, self.n_heads * self.head_dim
-        shapes = (
-            ((self.n_heads + 2 * self.n_kv) * self.head_dim, h, False),
-            (h, n_att, False),
-            (self.inter, h, True),
-            (h, self.inter, False),
-        )
+        shapes = decode_linear.decode_layer_shapes(
+            self.hidden,
+            self.inter,
+            self.n_heads * self.head_dim,
+            (self.n_heads + 2 * self.n_kv) * self.head_dim,
+        ).values()
         moved = [
             lin.reserve(nb, *shape) for nb in self.buckets if nb <= self.linear_max_rows for shape in shapes
         ]
