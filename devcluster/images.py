@@ -889,8 +889,13 @@ def pause_layout(pause_binary: Path, cache: Path | None = None) -> Path:
     return out
 
 
-def import_layout(layout: Path, ctr: list[str]) -> bool:
-    """Stream the OCI layout as an archive into `ctr ... images import -`; False if already there."""
+def import_layout(layout: Path, ctr: list[str], attempts: int = 3) -> bool:
+    """Stream the OCI layout as an archive into `ctr ... images import -`; False if already there.
+
+    Retried (up to `attempts` in all) when containerd's unpack loses a snapshot it had just found:
+    replacing an image tag lets its garbage collector remove the old image's unreferenced
+    snapshots while the new import is stacking layers on them ("parent snapshot ... does not
+    exist"); a retry streams every blob and unpacks the chain afresh."""
     digest = (layout / "manifest-digest").read_text().strip()
     index = json.loads((layout / "index.json").read_text())
     name = index["manifests"][0]["annotations"]["io.containerd.image.name"]
@@ -899,10 +904,33 @@ def import_layout(layout: Path, ctr: list[str]) -> bool:
     )
     if digest in listed.stdout:
         return False
-    # Blobs containerd already holds (the unchanged layers of an earlier build) are not streamed
-    # again: the import reads them from its content store, so a code change imports in seconds.
-    held = subprocess.run([*ctr, "content", "ls", "-q"], capture_output=True, text=True, timeout=60)
-    have = set(held.stdout.split()) if held.returncode == 0 else set()
+    errors: list[str] = []
+    for attempt in range(attempts):
+        out, ok = _stream_import(layout, ctr, skip_held=attempt == 0)
+        if ok:
+            return True
+        errors.append(out[-2000:])
+        if not _RETRYABLE_IMPORT.search(out) or attempt == attempts - 1:
+            break
+        time.sleep(1.0 + attempt)
+    raise DevClusterError(f"ctr images import of {name} failed ({len(errors)} attempt(s)): {errors[-1]}")
+
+
+# What containerd prints when a concurrent garbage collection or a half-finished earlier unpack
+# left the snapshot or content chain short; anything else (a corrupt layout) fails at once.
+_RETRYABLE_IMPORT = re.compile(r"snapshot \S+ does not exist|not found|already exists", re.I)
+
+
+def _stream_import(layout: Path, ctr: list[str], skip_held: bool) -> tuple[str, bool]:
+    """One `ctr images import -`: returns its output and whether it succeeded.
+
+    With `skip_held`, blobs containerd already holds (the unchanged layers of an earlier build)
+    are not streamed again: the import reads them from its content store, so a code change
+    imports in seconds."""
+    have: set[str] = set()
+    if skip_held:
+        held = subprocess.run([*ctr, "content", "ls", "-q"], capture_output=True, text=True, timeout=60)
+        have = set(held.stdout.split()) if held.returncode == 0 else set()
     proc = subprocess.Popen([*ctr, "images", "import", "-"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)  # fmt: skip
     assert proc.stdin is not None
@@ -912,12 +940,13 @@ def import_layout(layout: Path, ctr: list[str]) -> bool:
                 if p.name == "manifest-digest" or (p.parent.name == "sha256" and f"sha256:{p.name}" in have):
                     continue
                 tar.add(str(p), arcname=str(p.relative_to(layout)), recursive=False)
+    except BrokenPipeError:
+        pass  # ctr exited early; its output says why
     finally:
-        proc.stdin.close()
+        with contextlib.suppress(BrokenPipeError):
+            proc.stdin.close()
     out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
-    if proc.wait() != 0:
-        raise DevClusterError(f"ctr images import of {name} failed: {out[-2000:]}")
-    return True
+    return out, proc.wait() == 0
 
 
 def build_image(which: str, builder: Builder | None = None) -> tuple[Path, Builder]:
