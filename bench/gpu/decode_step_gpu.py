@@ -456,6 +456,32 @@ def capture_failure_check(dev: torch.device) -> dict[str, Any]:
     return out
 
 
+def _torch_variant(kind: str) -> Any:
+    """Another cuBLAS formulation of one decode layer: ``wt`` multiplies by the weight stored
+    transposed ([in, out], so cuBLAS runs NN instead of TN and picks from other kernels);
+    ``mm-add`` writes the product and adds it to the residual in a second kernel; ``split2``
+    runs the residual GEMM as two halves of K (two waves of fuller tiles)."""
+
+    def build(layer: str, h: Any, w: Any, w_t: Any, res: Any, norm: Any, b_qkv: Any, silu: Any) -> Any:
+        import torch.nn.functional as F
+
+        wt = w_t if kind == "wt" else w.t()
+        if layer == "q/k/v":
+            return lambda: torch.addmm(b_qkv, F.rms_norm(h, (h.shape[-1],), norm, 1e-6), wt)
+        if layer == "gate/up":
+            return lambda: silu(torch.mm(F.rms_norm(h, (h.shape[-1],), norm, 1e-6), wt))
+        if kind == "mm-add":
+            return lambda: res.add_(torch.mm(h, wt))
+        if kind == "split2":
+            k = h.shape[1] // 2
+            return lambda: res.addmm_(h[:, :k], wt[:k]).addmm_(h[:, k:], wt[k:])
+        return lambda: res.addmm_(h, wt)
+
+    return build
+
+
+TORCH_VARIANTS: dict[str, Any] = {k: _torch_variant(k) for k in ("wt", "mm-add", "split2")}
+
 # the small-batch linear kernel's launch settings timed alone, per layer (TritonSmallLinear.launch)
 LINEAR_VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},  # the policy (TritonSmallLinear.plan)
@@ -486,10 +512,12 @@ def bench_linear(
     repeats: int,
     names: list[str],
     calls: int = 20,
+    gemm_fps: float = 0.0,
 ) -> list[dict[str, Any]]:
     """Each linear layer of a decode step alone at ``rows`` rows: the step's cuBLAS path (the
     compiled norm + GEMM, Triton's SiLU, the residual GEMM) against the fused kernel in each of
-    LINEAR_VARIANTS, as microseconds per call and against reading the weights and activations."""
+    LINEAR_VARIANTS and the other cuBLAS formulations in TORCH_VARIANTS, as microseconds per call
+    and against reading the weights and activations and against the GEMM rate of this run."""
     from rlkube.runtime.models.tiny import qwen2_like_config
     from rlkube.runtime.rollout import decode_linear, hf_decode, kernels
 
@@ -527,10 +555,17 @@ def bench_linear(
          lambda lin: lin(hid, w_down, out=res), (w_down.numel() + rows * (inter + 2 * h)) * el),
     ]  # fmt: skip
     shapes = decode_linear.decode_layer_shapes(h, inter, n_att, n_qkv)
+    weights = {"q/k/v": w_qkv, "o": w_o, "gate/up": w_gu, "down": w_down}
+    inputs = {"q/k/v": x, "o": att, "gate/up": x, "down": hid}
     out: list[dict[str, Any]] = []
     for layer, unfused, fused, needed in layers:
         entries: list[tuple[str, Any]] = [("cublas", unfused)]
+        w_t = weights[layer].t().contiguous()  # [in, out]: cuBLAS's other operand order
         for name in names:
+            if name in TORCH_VARIANTS:
+                entries.append((name, TORCH_VARIANTS[name](layer, inputs[layer], weights[layer], w_t, res,
+                                                           norm, b_qkv, silu)))  # fmt: skip
+                continue
             lin = decode_linear.TritonSmallLinear(dev)
             lin.launch = linear_launch(LINEAR_VARIANTS[name], lin.n_sm)
             lin.reserve(rows, *shapes[layer])
@@ -552,6 +587,7 @@ def bench_linear(
                 "linear": layer, "size": size, "rows": rows, "variant": name, "us": 1e6 * t,
                 "us_range": [1e6 * min(times), 1e6 * max(times)], "bytes_needed": needed,
                 "fraction_of_read_bound": needed / read_bps / t, "speedup_vs_cublas": base / t,
+                "fraction_of_gemm_rate": 2 * rows * weights[layer].numel() / gemm_fps / t if gemm_fps else 0,
                 "max_rel_diff_vs_cublas": float((got - want).abs().max() / want.abs().max()),
             })  # fmt: skip
             print(json.dumps(out[-1]), flush=True)
@@ -622,13 +658,13 @@ def main(argv: list[str] | None = None) -> int:
             )  # fmt: skip
             save()
     if args.linear:
-        names = list(LINEAR_VARIANTS) if args.linear == "all" else args.linear.split(",")
+        names = [*LINEAR_VARIANTS, *TORCH_VARIANTS] if args.linear == "all" else args.linear.split(",")
         report["linear"] = []
         for size in ("0.5b", "1.5b") if not args.smoke else ("tiny",):
             for rows in (int(r) for r in args.linear_rows.split(",")):
                 report["linear"] += bench_linear(
                     size, rows, dev, ceil["read_bandwidth_gbs"] * 1e9, args.repeats, names,
-                    calls=1 if args.smoke else 20,
+                    calls=1 if args.smoke else 20, gemm_fps=ceil["gemm_tflops"] * 1e12,
                 )  # fmt: skip
                 save()
     report["capture_failure"] = (
@@ -681,7 +717,8 @@ def main(argv: list[str] | None = None) -> int:
             print(
                 f"linear {r['size']:>4} rows {r['rows']:>3} {r['linear']:<8} {r['variant']:<8}: "
                 f"{r['us']:7.1f} us, {100 * r['fraction_of_read_bound']:5.1f}% of its read bound, "
-                f"x{r['speedup_vs_cublas']:.2f} vs cuBLAS (max diff {r['max_rel_diff_vs_cublas']:.2g})"
+                + f"{100 * r['fraction_of_gemm_rate']:5.1f}% of GEMM rate, "
+                + f"x{r['speedup_vs_cublas']:.2f} vs cuBLAS (max diff {r['max_rel_diff_vs_cublas']:.2g})"
             )
     cf = report["capture_failure"]
     recovered = not cf["ran"] or all(cf[k] for k in CAPTURE_FAILURE_CHECKS)

@@ -153,8 +153,9 @@ def test_decode_step_bench_times_each_linear_layer_against_cublas_and_the_step_w
 ) -> None:
     """``--linear``: the four linear layers of a step, the unfused path and the fused kernel per
     launch setting, the same outputs; and the step A/B with the kernel (``linear``) and without
-    (``cublas``)."""
-    variants = ("default", "bn32", "2x", "t128")
+    (``cublas``); the other cuBLAS formulations (weight stored transposed, product then add,
+    K in two halves) give the same outputs."""
+    variants = ("default", "bn32", "2x", "t128", "wt", "mm-add", "split2")
     proc = run_bench(
         "decode_step_gpu.py", tmp_path, "--configs", "linear,cublas", "--linear", ",".join(variants),
         "--linear-rows", "8,100", "--no-capture-check", gpu_machine=True, env_extra={"TRITON_INTERPRET": "1"},
@@ -168,5 +169,6 @@ def test_decode_step_bench_times_each_linear_layer_against_cublas_and_the_step_w
     ]
     assert all("error" not in r and r["us"] > 0 and r["bytes_needed"] > 0 for r in rows)
     assert all(r["max_rel_diff_vs_cublas"] < 1e-5 for r in rows)  # float32 on the CPU
+    assert all(r["fraction_of_gemm_rate"] > 0 for r in rows)
     steps = {r["config"]: r for r in report["results"]}
     assert steps["linear"]["linear"] == "triton" and steps["cublas"]["linear"] == "torch"
