@@ -45,7 +45,12 @@ import torch  # noqa: E402
 
 from rlkube.runtime.models.roofline import decode_step_bytes, decode_step_flops, model_cost  # noqa: E402
 from rlkube.runtime.models.tiny import make_qwen2_like, tiny_qwen2_config  # noqa: E402
-from rlkube.runtime.rollout.hf_decode import LINEAR_MAX_ROWS_DEFAULT, StaticDecoder  # noqa: E402
+from rlkube.runtime.rollout.hf_decode import (  # noqa: E402
+    DOWN_SPLIT_K,
+    DOWN_SPLIT_MIN_ROWS_DEFAULT,
+    LINEAR_MAX_ROWS_DEFAULT,
+    StaticDecoder,
+)
 
 # name -> settings of the attention kernel: ``split`` (positions per program; None for the default
 # policy, "direct" for one program per row and KV head and no combine kernel), ``shared`` (each
@@ -82,6 +87,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "lin-bk64": {"linear": {"bk": 64}},
     "lin-2x": {"linear": {"programs_per_sm": 2}},
     "lin-w8": {"linear": {"num_warps": 8}},
+    # the down GEMM split-K (hf_decode.residual_split_k_) at every row count, in N slices of K
+    # (the engine's default is hf_decode.DOWN_SPLIT_MIN_ROWS_DEFAULT / DOWN_SPLIT_K), or never
+    "down-k2": {"down_split_k": 2},
+    "down-k4": {"down_split_k": 4},
+    "down-k8": {"down_split_k": 8},
+    "down-off": {"down_split_k": 0},
 }
 DEFAULT_BLAS = torch.backends.cuda.preferred_blas_library()
 GROUP = 8
@@ -147,6 +158,11 @@ def configure(
         )
         dec._linear.launch = linear_launch(lin if isinstance(lin, dict) else {}, dec._linear.n_sm)
         dec.reserve_linear()
+    if "down_split_k" in cfg:
+        k = cfg["down_split_k"]
+        dec.down_split_min_rows, dec.down_split_k = (1, k) if k else (0, DOWN_SPLIT_K)
+    else:
+        dec.down_split_min_rows, dec.down_split_k = DOWN_SPLIT_MIN_ROWS_DEFAULT, DOWN_SPLIT_K
     dec.drop_graphs()
     leaders = [r - r % GROUP for r in range(rows)]
     dec.set_shared_prompts(leaders, [shared if lead != r else 0 for r, lead in enumerate(leaders)])
@@ -460,12 +476,35 @@ def _torch_variant(kind: str) -> Any:
     """Another cuBLAS formulation of one decode layer: ``wt`` multiplies by the weight stored
     transposed ([in, out], so cuBLAS runs NN instead of TN and picks from other kernels);
     ``mm-add`` writes the product and adds it to the residual in a second kernel; ``split2``
-    runs the residual GEMM as two halves of K (two waves of fuller tiles)."""
+    runs the residual GEMM as two halves of K; ``bmmN`` (o and down) runs it as one batched GEMM
+    over N slices of K into float32 partials, summed into the residual by one compiled kernel
+    (split-K: N times the output tiles, so a few hundred rows fill the GPU); ``autotune`` is
+    inductor's max-autotune (its Triton templates against cuBLAS) on the layer's function."""
 
     def build(layer: str, h: Any, w: Any, w_t: Any, res: Any, norm: Any, b_qkv: Any, silu: Any) -> Any:
         import torch.nn.functional as F
 
+        from rlkube.runtime.rollout import hf_decode
+
         wt = w_t if kind == "wt" else w.t()
+        if kind == "autotune":
+            mode = "max-autotune-no-cudagraphs"
+            if layer == "q/k/v":
+                qkv = torch.compile(hf_decode.layer_qkv, mode=mode)
+                return lambda: qkv(h, (norm, w, b_qkv), 1e-6)
+            if layer == "gate/up":
+                gu = torch.compile(hf_decode.layer_gate_up, mode=mode)
+                return lambda: silu(gu(h, norm, w, 1e-6))
+            resid = torch.compile(hf_decode.residual_linear_, mode=mode)
+            return lambda: resid(res, h, w, None)
+        if kind.startswith("bmm"):
+            if layer in ("q/k/v", "gate/up"):
+                raise ValueError(f"{kind} is for the residual GEMMs (o, down)")
+            splits = int(kind[3:])
+            if h.shape[1] % splits:
+                raise ValueError(f"K={h.shape[1]} does not split into {splits}")
+            add = torch.compile(hf_decode.add_partials_) if h.is_cuda else hf_decode.add_partials_
+            return lambda: hf_decode.residual_split_k_(res, h, w, None, splits, add)
         if layer == "q/k/v":
             return lambda: torch.addmm(b_qkv, F.rms_norm(h, (h.shape[-1],), norm, 1e-6), wt)
         if layer == "gate/up":
@@ -480,7 +519,9 @@ def _torch_variant(kind: str) -> Any:
     return build
 
 
-TORCH_VARIANTS: dict[str, Any] = {k: _torch_variant(k) for k in ("wt", "mm-add", "split2")}
+TORCH_VARIANTS: dict[str, Any] = {
+    k: _torch_variant(k) for k in ("wt", "mm-add", "split2", "bmm2", "bmm4", "bmm5", "bmm8", "autotune")
+}
 
 # the small-batch linear kernel's launch settings timed alone, per layer (TritonSmallLinear.launch)
 LINEAR_VARIANTS: dict[str, dict[str, Any]] = {
@@ -563,8 +604,12 @@ def bench_linear(
         w_t = weights[layer].t().contiguous()  # [in, out]: cuBLAS's other operand order
         for name in names:
             if name in TORCH_VARIANTS:
-                entries.append((name, TORCH_VARIANTS[name](layer, inputs[layer], weights[layer], w_t, res,
-                                                           norm, b_qkv, silu)))  # fmt: skip
+                try:
+                    entries.append((name, TORCH_VARIANTS[name](layer, inputs[layer], weights[layer], w_t, res,
+                                                               norm, b_qkv, silu)))  # fmt: skip
+                except ValueError as exc:  # a variant that does not apply to this layer or shape
+                    out.append({"linear": layer, "size": size, "rows": rows, "variant": name,
+                                "skipped": str(exc)})  # fmt: skip
                 continue
             lin = decode_linear.TritonSmallLinear(dev)
             lin.launch = linear_launch(LINEAR_VARIANTS[name], lin.n_sm)
@@ -574,7 +619,10 @@ def bench_linear(
         for name, call in entries:
             try:
                 res.copy_(res0)
-                got = call().float()  # the output of one call from the same residual
+                t_first = time.perf_counter()
+                got = call()
+                got = (res if got is None else got).float()  # the output of one call from the same residual
+                first_s = time.perf_counter() - t_first
                 want = got if want is None else want
                 times = _timed_calls(call, dev, calls, repeats)
             except Exception as exc:
@@ -586,6 +634,7 @@ def bench_linear(
             out.append({
                 "linear": layer, "size": size, "rows": rows, "variant": name, "us": 1e6 * t,
                 "us_range": [1e6 * min(times), 1e6 * max(times)], "bytes_needed": needed,
+                "first_call_s": first_s,
                 "fraction_of_read_bound": needed / read_bps / t, "speedup_vs_cublas": base / t,
                 "fraction_of_gemm_rate": 2 * rows * weights[layer].numel() / gemm_fps / t if gemm_fps else 0,
                 "max_rel_diff_vs_cublas": float((got - want).abs().max() / want.abs().max()),
@@ -711,6 +760,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"max diff vs first {r['max_abs_diff_vs_first']:.3g}"
             )
     for r in report.get("linear", []):
+        if "skipped" in r:
+            continue
         if "error" in r:
             print(f"linear {r['linear']:<8} {r['variant']:<8} {r['error'][:200]}")
         else:

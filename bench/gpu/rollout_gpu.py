@@ -47,7 +47,7 @@ from rlkube.runtime.models.roofline import model_cost, rollout_bound  # noqa: E4
 from rlkube.runtime.models.tiny import make_qwen2_like, tiny_qwen2_config  # noqa: E402
 from rlkube.runtime.rollout.base import RolloutRequest, SamplingParams  # noqa: E402
 from rlkube.runtime.rollout.hf import HFEngine, teacher_forced_logprobs  # noqa: E402
-from rlkube.runtime.rollout.hf_decode import LINEAR_MAX_ROWS_DEFAULT  # noqa: E402
+from rlkube.runtime.rollout.hf_decode import DOWN_SPLIT_MIN_ROWS_DEFAULT, LINEAR_MAX_ROWS_DEFAULT  # noqa: E402
 
 
 def reset_peak(dev: torch.device) -> None:
@@ -114,6 +114,9 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
         share_prompt_reads=args.share_prompt == "on",
         harvest_tokens=args.harvest == "on",
         linear_max_rows=LINEAR_MAX_ROWS_DEFAULT if args.linear_max_rows is None else args.linear_max_rows,
+        down_split_min_rows=(
+            DOWN_SPLIT_MIN_ROWS_DEFAULT if args.down_split_min_rows is None else args.down_split_min_rows
+        ),
     )
     engine.decoder.compiled_prefill = args.prefill == "compiled"
     try:
@@ -159,6 +162,8 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
             "graph_error": (d.graph_error or "")[-3000:] or None,
             "kernels": d.kernels_used,
             "linear_max_rows": d.linear_max_rows,
+            "down_split_min_rows": d.down_split_min_rows,
+            "down_split_k": d.down_split_k,
             "harvest_tokens": engine.harvest_tokens,
             "kernel_errors": d.kernel_errors,
             "graphs_captured": len(d._graphs),
@@ -319,6 +324,11 @@ def main(argv: list[str] | None = None) -> int:
         "--linear-max-rows", type=int, default=None,
         help="buckets up to this many rows run the fused linear kernel (0: cuBLAS; default: the engine's, "
         "hf_decode.LINEAR_MAX_ROWS_DEFAULT)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--down-split-min-rows", type=int, default=None,
+        help="buckets of at least this many rows run the down GEMM split-K (0: never; default: the "
+        "engine's, hf_decode.DOWN_SPLIT_MIN_ROWS_DEFAULT)",
     )  # fmt: skip
     ap.add_argument("--skip-generate", action="store_true")
     ap.add_argument("--profile", action="store_true", help="kernel tables of the b64 and b512 decode (GPU)")

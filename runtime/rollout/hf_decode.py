@@ -69,6 +69,11 @@ KernelSetting = bool | str  # True (required), False (PyTorch only) or "auto" (o
 # vs 1.155 ms at 0.5B, 3.358 vs 2.129 ms at 1.5B; docs/benchmarks.md, stop 29), so it stays an A/B
 # (``decode_step_gpu.py --linear`` and the ``cublas`` / ``linear`` step configs).
 LINEAR_MAX_ROWS_DEFAULT = 0
+# Buckets of at least this many rows run the down projection split-K (``residual_split_k_``:
+# ``DOWN_SPLIT_K`` slices of its long K, one batched GEMM into float32 partials, one kernel adding
+# them into the residual). 0: never.
+DOWN_SPLIT_MIN_ROWS_DEFAULT = 0
+DOWN_SPLIT_K = 4
 
 
 @dataclass
@@ -113,6 +118,7 @@ class StaticDecoder:
     _advance_fn: Callable[..., Any]
     _seeds_fn: Callable[..., Any]
     _final_norm_fn: Callable[..., Any]
+    _add_partials_fn: Callable[..., Any]
 
     def __init__(
         self,
@@ -128,12 +134,27 @@ class StaticDecoder:
         kv_bucket: int = 128,
         max_prefill_tokens: int = 16384,
         linear_max_rows: int = LINEAR_MAX_ROWS_DEFAULT,
+        down_split_min_rows: int = DOWN_SPLIT_MIN_ROWS_DEFAULT,
+        down_split_k: int = DOWN_SPLIT_K,
     ) -> None:
         cfg: Any = model.config
         if not (isinstance(linear_max_rows, int) and linear_max_rows >= 0):
             raise ValueError(
                 f"linear_max_rows must be an integer >= 0 (0: cuBLAS only), not {linear_max_rows!r}"
             )
+        if not (isinstance(down_split_min_rows, int) and down_split_min_rows >= 0):
+            raise ValueError(
+                f"down_split_min_rows must be an integer >= 0 (0: never split), not {down_split_min_rows!r}"
+            )
+        if not (isinstance(down_split_k, int) and down_split_k >= 2):
+            raise ValueError(f"down_split_k must be an integer >= 2, not {down_split_k!r}")
+        if down_split_min_rows and cfg.intermediate_size % down_split_k:
+            raise ValueError(
+                f"down_split_k={down_split_k} does not divide intermediate_size={cfg.intermediate_size}; "
+                "pick a divisor or set down_split_min_rows=0"
+            )
+        # buckets of at least this many rows run the down GEMM as ``down_split_k`` slices of K
+        self.down_split_min_rows, self.down_split_k = down_split_min_rows, down_split_k
         if getattr(cfg, "use_sliding_window", False):
             raise ValueError("sliding-window attention is not supported by the hf rollout engine")
         self.model: Any = model
@@ -222,6 +243,7 @@ class StaticDecoder:
             # eager, the seeds' 32-bit hash was ~25 one-microsecond integer kernels per step
             self._seeds_fn = torch.compile(kernels.row_seeds)
             self._final_norm_fn = torch.compile(final_norm)
+            self._add_partials_fn = torch.compile(add_partials_)
         # host-side counters (benchmarks and tests read them): steps per batch bucket, rows moved
         self.steps_by_bucket: dict[int, int] = {}
         self.rows_moved = 0
@@ -232,6 +254,7 @@ class StaticDecoder:
         f = self._eager_layer_functions()
         self._qkv_fn, self._mlp_in_fn, self._residual_fn = f["qkv"], f["mlp_in"], f["residual"]
         self._final_norm_fn = f["final_norm"]
+        self._add_partials_fn = add_partials_
         self._advance_fn = advance_slots
         self._seeds_fn = kernels.row_seeds
 
@@ -512,6 +535,7 @@ class StaticDecoder:
         x = self.inner.embed_tokens(s.cur_tok[:nb])  # [nb, H]
         att_kernel = self._attention
         lin = self._linear if nb <= self.linear_max_rows else None
+        down = self._split_down if self.down_split_min_rows and nb >= self.down_split_min_rows else None
         for i in range(len(self.layers)):
             pre, post = self._layer_weights(i)
             kc, vc = self.k_cache[i], self.v_cache[i]
@@ -531,7 +555,7 @@ class StaticDecoder:
             if lin is not None:
                 x = small_layer_post_attention(lin, x, att, post, self.eps)
             else:
-                x = layer_post_attention(x, att, post, self.eps, self._mlp_in_fn, self._residual_fn)
+                x = layer_post_attention(x, att, post, self.eps, self._mlp_in_fn, self._residual_fn, down)
         logits = self._head(x, self._final_norm_fn)
         tok, lp = self.sample(
             logits, s.temperature[:nb], s.top_p[:nb], s.key[:nb], s.n_gen[:nb], self.any_top_p, self._seeds_fn
@@ -540,6 +564,12 @@ class StaticDecoder:
             tok, lp, self._rows[:nb], s.cur_tok[:nb], s.pos[:nb], s.n_gen[:nb], s.max_new[:nb],
             s.running[:nb], s.stopped[:nb], s.stop_ids[:nb], s.out_tok[:nb], s.out_lp[:nb], self.T,
         )  # fmt: skip
+
+    def _split_down(
+        self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+    ) -> torch.Tensor:
+        """The down projection into the residual as ``down_split_k`` slices of K."""
+        return residual_split_k_(x, h, weight, bias, self.down_split_k, self._add_partials_fn)
 
     @torch.no_grad()
     def set_shared_prompts(self, share_row: Sequence[int], share_len: Sequence[int]) -> None:
@@ -743,14 +773,16 @@ def layer_post_attention(
     eps: float,
     mlp_in: Callable[..., torch.Tensor] = layer_mlp_in,
     residual: Callable[..., torch.Tensor] | None = None,
+    down_residual: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """o_proj into the residual, then the gated MLP into the residual, both in place on ``x``
     [..., H] (the caller's residual stream); ``mlp_in`` and ``residual`` are ``layer_mlp_in`` and
-    ``residual_linear_`` or their compiled copies."""
+    ``residual_linear_`` or their compiled copies; ``down_residual`` (default ``residual``) runs
+    the down projection (the decoder's split-K one at large batches)."""
     residual = residual or residual_linear_
     w_o, b_o, norm, w_gu, w_down, b_down = weights
     x = residual(x, att, w_o, b_o)
-    return residual(x, mlp_in(x, norm, w_gu, eps), w_down, b_down)
+    return (down_residual or residual)(x, mlp_in(x, norm, w_gu, eps), w_down, b_down)
 
 
 def small_layer_post_attention(
@@ -777,6 +809,39 @@ def residual_linear_(
         return x.add_(F.linear(h, weight, bias))
     x.view(-1, x.shape[-1]).addmm_(h.reshape(-1, h.shape[-1]), weight.t())
     return x
+
+
+def residual_split_k_(
+    x: torch.Tensor,
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    splits: int,
+    add_partials: Callable[..., torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """``x += h @ weight.T (+ bias)`` in place, as ``splits`` slices of K: one strided-batched
+    GEMM into float32 partials ``[splits, rows, out]`` (each slice is a view of ``h`` and of
+    ``weight``, nothing is copied) and ``add_partials`` summing them into ``x``.
+
+    Why: a few hundred rows against a long K (the down projection: 512 x 8,960 -> 1,536 at 1.5B)
+    give cuBLAS about one output tile per SM, each walking all of K; split, the tiles are
+    ``splits`` times as many and as short."""
+    rows, k = h.shape
+    ks = k // splits
+    hs = h.view(rows, splits, ks).transpose(0, 1)  # [splits, rows, ks]
+    ws = weight.view(weight.shape[0], splits, ks).transpose(0, 1).transpose(1, 2)  # [splits, ks, out]
+    # no mixed-precision batched GEMM on the CPU: there, the same sums in float32
+    parts = torch.bmm(hs, ws, out_dtype=torch.float32) if h.is_cuda else torch.bmm(hs.float(), ws.float())
+    return (add_partials or add_partials_)(x, parts, bias)
+
+
+def add_partials_(x: torch.Tensor, parts: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x += parts.sum(0) (+ bias)`` in float32, rounded once into ``x``'s dtype (one kernel
+    compiled)."""
+    acc = x.float() + parts.sum(0)
+    if bias is not None:
+        acc = acc + bias.float()
+    return x.copy_(acc.to(x.dtype))
 
 
 def _bind_views(fused: torch.Tensor, params: list[Any]) -> None:

@@ -371,3 +371,44 @@ def test_decode_attention_reference_masks_each_row_to_its_length() -> None:
             q[r : r + 1], kc[r : r + 1, :, :n], vc[r : r + 1, :, :n]
         )
         assert torch.allclose(out[r], want[0], atol=1e-5)
+
+
+def test_the_down_projection_split_k_decodes_the_same_tokens_and_logprobs(
+    model: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Large buckets may run the down GEMM as slices of K summed in float32 (``down_split_min_rows``);
+    the engine must sample the same tokens with the same log-probabilities as the one-GEMM path."""
+    calls = Counter[int]()
+    real = hf_decode.residual_split_k_
+
+    def counted(x: torch.Tensor, h: torch.Tensor, *args: Any) -> torch.Tensor:
+        calls[h.shape[0]] += 1
+        return real(x, h, *args)
+
+    monkeypatch.setattr(hf_decode, "residual_split_k_", counted)
+    reqs = [
+        RolloutRequest(f"r{i}", p, SamplingParams(n=4, max_tokens=12, seed=i))
+        for i, p in enumerate([[1, 5, 6, 7], [2, 9, 8], [3, 3, 4, 5, 6]])
+    ]
+    outs = {}
+    for min_rows in (0, 8):
+        with HFEngine(model=model, num_slots=16, max_seq_len=32, down_split_min_rows=min_rows) as eng:
+            outs[min_rows] = eng.generate(reqs)
+            assert eng.decoder.down_split_min_rows == min_rows
+    one, split = outs[0], outs[8]
+    assert set(calls) == {16}, calls  # each step of the second engine (12 rows: bucket 16), none of the first
+    assert [c.token_ids for c in one] == [c.token_ids for c in split]
+    pairs = zip(one, split, strict=True)
+    err = max(max(abs(a - b) for a, b in zip(p.logprobs, q.logprobs, strict=True)) for p, q in pairs)
+    assert err < LOGPROB_ATOL
+
+
+def test_a_down_split_that_does_not_divide_the_mlp_width_is_refused_naming_the_fix(model: Any) -> None:
+    inter = model.config.intermediate_size
+    bad = next(k for k in range(3, 64) if inter % k)
+    with pytest.raises(ValueError, match=f"down_split_k={bad} does not divide intermediate_size={inter}"):
+        StaticDecoder(
+            model, num_slots=4, max_seq_len=16, max_new_tokens=4, down_split_min_rows=8, down_split_k=bad
+        )
+    with pytest.raises(ValueError, match="down_split_min_rows must be an integer >= 0"):
+        StaticDecoder(model, num_slots=4, max_seq_len=16, max_new_tokens=4, down_split_min_rows=-1)

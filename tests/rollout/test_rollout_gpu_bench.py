@@ -85,7 +85,7 @@ def test_decode_step_bench_times_each_attention_split_and_sampler_setting_with_t
 ) -> None:
     """The A/B of the captured decode step runs its Triton kernels (here in the interpreter) per
     split, and the sampling kernel per setting, each giving the same tokens."""
-    configs = ("default", "direct", "split128", "split256", "shared64", "block32", "silu-inductor")
+    configs = ("default", "direct", "split128", "split256", "shared64", "block32", "silu-inductor", "down-k2")
     proc = run_bench(
         "decode_step_gpu.py", tmp_path, "--configs", ",".join(configs), gpu_machine=True,
         env_extra={"TRITON_INTERPRET": "1"},
@@ -95,7 +95,7 @@ def test_decode_step_bench_times_each_attention_split_and_sampler_setting_with_t
     by_config = {r["config"]: r for r in report["results"]}
     assert set(by_config) == set(configs)
     # a 128-position cache is short enough for one program per row and KV head by default
-    assert [by_config[c]["split"] for c in configs] == [128, 128, 128, 256, 128, 128, 128]
+    assert [by_config[c]["split"] for c in configs] == [128, 128, 128, 256, 128, 128, 128, 128]
     assert all(0 < r["fraction_of_bound"] < 1 and r["step_ms"] > 0 for r in report["results"])
     variants = ["default", "no-screen", "chunk4k", "chunk8k", "chunk16k", "chunk32k", "block2k"]
     assert [(r["sampler"], r["variant"]) for r in report["sampler"]] == [
@@ -155,17 +155,22 @@ def test_decode_step_bench_times_each_linear_layer_against_cublas_and_the_step_w
     launch setting, the same outputs; and the step A/B with the kernel (``linear``) and without
     (``cublas``); the other cuBLAS formulations (weight stored transposed, product then add,
     K in two halves) give the same outputs."""
-    variants = ("default", "bn32", "2x", "t128", "wt", "mm-add", "split2")
+    variants = ("default", "bn32", "2x", "t128", "wt", "mm-add", "split2", "bmm2")
     proc = run_bench(
         "decode_step_gpu.py", tmp_path, "--configs", "linear,cublas", "--linear", ",".join(variants),
         "--linear-rows", "8,100", "--no-capture-check", gpu_machine=True, env_extra={"TRITON_INTERPRET": "1"},
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "decode-step-gpu.json").read_text())
-    rows = report["linear"]
+    rows = [r for r in report["linear"] if "skipped" not in r]
     layers = ("q/k/v", "o", "gate/up", "down")
+    residual = {"o", "down"}  # split-K (bmm2) applies to the GEMMs that add into the residual
     assert [(r["rows"], r["linear"], r["variant"]) for r in rows] == [
-        (n, layer, v) for n in (8, 100) for layer in layers for v in ("cublas", *variants)
+        (n, layer, v)
+        for n in (8, 100)
+        for layer in layers
+        for v in ("cublas", *variants)
+        if v != "bmm2" or layer in residual
     ]
     assert all("error" not in r and r["us"] > 0 and r["bytes_needed"] > 0 for r in rows)
     assert all(r["max_rel_diff_vs_cublas"] < 1e-5 for r in rows)  # float32 on the CPU
