@@ -328,12 +328,15 @@ class Reconciler:
             with contextlib.suppress(KeyError):
                 metrics.RLJOB_INFO.remove(key[0], key[1], state.algorithm, state.mode, old_phase)
         metrics.RLJOB_INFO.labels(key[0], key[1], state.algorithm, state.mode, phase).set(1)
-        self.refresh_phase_gauge()
+        self.refresh_phase_gauge(key, phase)
 
-    def refresh_phase_gauge(self) -> None:
+    def refresh_phase_gauge(self, key: Key | None = None, phase: str | None = None) -> None:
+        """Count the cached RLJobs by phase; ``key`` counts as ``phase``, the phase just written
+        (the cache holds the body from before that status patch until its watch event arrives,
+        and nothing else may follow to refresh the gauge)."""
         counts: dict[str, int] = {}
-        for body in self.cache.rljobs.values():
-            ph = (body.get("status") or {}).get("phase") or "Pending"
+        for k, body in self.cache.rljobs.items():
+            ph = phase if k == key and phase else (body.get("status") or {}).get("phase") or "Pending"
             counts[ph] = counts.get(ph, 0) + 1
         metrics.set_phase_counts(counts)
 
