@@ -412,3 +412,14 @@ def test_a_down_split_that_does_not_divide_the_mlp_width_is_refused_naming_the_f
         )
     with pytest.raises(ValueError, match="down_split_min_rows must be an integer >= 0"):
         StaticDecoder(model, num_slots=4, max_seq_len=16, max_new_tokens=4, down_split_min_rows=-1)
+
+
+@pytest.mark.parametrize("splits", [2, 4])
+def test_residual_split_k_adds_the_whole_product_and_bias_into_the_residual(splits: int) -> None:
+    g = torch.Generator().manual_seed(7)
+    x, h = torch.randn(5, 6, generator=g), torch.randn(5, 16, generator=g)
+    w, b = torch.randn(6, 16, generator=g), torch.randn(6, generator=g)
+    want = x + h @ w.T + b
+    got = hf_decode.residual_split_k_(x, h, w, b, splits)
+    assert got is x  # in place: the residual stream the layer hands on
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
