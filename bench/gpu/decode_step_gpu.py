@@ -87,11 +87,14 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "lin-bk64": {"linear": {"bk": 64}},
     "lin-2x": {"linear": {"programs_per_sm": 2}},
     "lin-w8": {"linear": {"num_warps": 8}},
-    # the down GEMM split-K (hf_decode.residual_split_k_) at every row count, in N slices of K
-    # (the engine's default is hf_decode.DOWN_SPLIT_MIN_ROWS_DEFAULT / DOWN_SPLIT_K), or never
+    # the down GEMM split-K (hf_decode.split_k_partials) at every row count, in N slices of K
+    # (the engine's default is hf_decode.DOWN_SPLIT_MIN_ROWS_DEFAULT / DOWN_SPLIT_K), or never;
+    # the partials summed inside the next norm's kernel, or ("-sep") by a kernel of their own
     "down-k2": {"down_split_k": 2},
     "down-k4": {"down_split_k": 4},
     "down-k8": {"down_split_k": 8},
+    "down-k2-sep": {"down_split_k": 2, "down_split_fold": False},
+    "down-k4-sep": {"down_split_k": 4, "down_split_fold": False},
     "down-off": {"down_split_k": 0},
 }
 DEFAULT_BLAS = torch.backends.cuda.preferred_blas_library()
@@ -163,6 +166,7 @@ def configure(
         dec.down_split_min_rows, dec.down_split_k = (1, k) if k else (0, DOWN_SPLIT_K)
     else:
         dec.down_split_min_rows, dec.down_split_k = DOWN_SPLIT_MIN_ROWS_DEFAULT, DOWN_SPLIT_K
+    dec.down_split_fold = cfg.get("down_split_fold", True)
     dec.drop_graphs()
     leaders = [r - r % GROUP for r in range(rows)]
     dec.set_shared_prompts(leaders, [shared if lead != r else 0 for r, lead in enumerate(leaders)])

@@ -69,9 +69,9 @@ KernelSetting = bool | str  # True (required), False (PyTorch only) or "auto" (o
 # vs 1.155 ms at 0.5B, 3.358 vs 2.129 ms at 1.5B; docs/benchmarks.md, stop 29), so it stays an A/B
 # (``decode_step_gpu.py --linear`` and the ``cublas`` / ``linear`` step configs).
 LINEAR_MAX_ROWS_DEFAULT = 0
-# Buckets of at least this many rows run the down projection split-K (``residual_split_k_``:
-# ``DOWN_SPLIT_K`` slices of its long K, one batched GEMM into float32 partials, one kernel adding
-# them into the residual). 0: never.
+# Buckets of at least this many rows run the down projection split-K (``split_k_partials``:
+# ``DOWN_SPLIT_K`` slices of its long K, one batched GEMM into float32 partials, added into the
+# residual by the next layer's norm kernel, or the final norm's). 0: never.
 DOWN_SPLIT_MIN_ROWS_DEFAULT = 0
 DOWN_SPLIT_K = 4
 
@@ -119,6 +119,8 @@ class StaticDecoder:
     _seeds_fn: Callable[..., Any]
     _final_norm_fn: Callable[..., Any]
     _add_partials_fn: Callable[..., Any]
+    _qkv_after_split_fn: Callable[..., Any]
+    _final_norm_after_split_fn: Callable[..., Any]
 
     def __init__(
         self,
@@ -155,6 +157,9 @@ class StaticDecoder:
             )
         # buckets of at least this many rows run the down GEMM as ``down_split_k`` slices of K
         self.down_split_min_rows, self.down_split_k = down_split_min_rows, down_split_k
+        # True: the partials are summed into the residual inside the next norm's kernel; False: by
+        # a kernel of their own right after the GEMM (the benchmark's A/B)
+        self.down_split_fold = True
         if getattr(cfg, "use_sliding_window", False):
             raise ValueError("sliding-window attention is not supported by the hf rollout engine")
         self.model: Any = model
@@ -244,6 +249,8 @@ class StaticDecoder:
             self._seeds_fn = torch.compile(kernels.row_seeds)
             self._final_norm_fn = torch.compile(final_norm)
             self._add_partials_fn = torch.compile(add_partials_)
+            self._qkv_after_split_fn = torch.compile(layer_qkv_after_split, mode=mode)
+            self._final_norm_after_split_fn = torch.compile(final_norm_after_split)
         # host-side counters (benchmarks and tests read them): steps per batch bucket, rows moved
         self.steps_by_bucket: dict[int, int] = {}
         self.rows_moved = 0
@@ -255,6 +262,8 @@ class StaticDecoder:
         self._qkv_fn, self._mlp_in_fn, self._residual_fn = f["qkv"], f["mlp_in"], f["residual"]
         self._final_norm_fn = f["final_norm"]
         self._add_partials_fn = add_partials_
+        self._qkv_after_split_fn = layer_qkv_after_split
+        self._final_norm_after_split_fn = final_norm_after_split
         self._advance_fn = advance_slots
         self._seeds_fn = kernels.row_seeds
 
@@ -535,13 +544,17 @@ class StaticDecoder:
         x = self.inner.embed_tokens(s.cur_tok[:nb])  # [nb, H]
         att_kernel = self._attention
         lin = self._linear if nb <= self.linear_max_rows else None
-        down = self._split_down if self.down_split_min_rows and nb >= self.down_split_min_rows else None
+        split = lin is None and bool(self.down_split_min_rows) and nb >= self.down_split_min_rows
+        down = self._split_down if split and not self.down_split_fold else None
+        pending: tuple[torch.Tensor, torch.Tensor | None] | None = None  # partials not yet in x
         for i in range(len(self.layers)):
             pre, post = self._layer_weights(i)
             kc, vc = self.k_cache[i], self.v_cache[i]
             if lin is not None:
                 norm, w_qkv, b_qkv = pre
                 qkv = lin(x, w_qkv, norm=norm, eps=self.eps, bias=b_qkv)
+            elif pending is not None:
+                qkv = self._qkv_after_split_fn(x, *pending, pre, self.eps)
             else:
                 qkv = self._qkv_fn(x, pre, self.eps)
             if att_kernel is not None:  # RoPE, the K/V write and attention in one kernel
@@ -554,9 +567,15 @@ class StaticDecoder:
             att = att.reshape(nb, self.n_heads * D)
             if lin is not None:
                 x = small_layer_post_attention(lin, x, att, post, self.eps)
+            elif split and self.down_split_fold:
+                pending = self._post_attention_split(x, att, post)
             else:
                 x = layer_post_attention(x, att, post, self.eps, self._mlp_in_fn, self._residual_fn, down)
-        logits = self._head(x, self._final_norm_fn)
+        if pending is not None:
+            parts, bias = pending
+            logits = self._head(x, lambda h, w, eps: self._final_norm_after_split_fn(h, parts, bias, w, eps))
+        else:
+            logits = self._head(x, self._final_norm_fn)
         tok, lp = self.sample(
             logits, s.temperature[:nb], s.top_p[:nb], s.key[:nb], s.n_gen[:nb], self.any_top_p, self._seeds_fn
         )
@@ -570,6 +589,16 @@ class StaticDecoder:
     ) -> torch.Tensor:
         """The down projection into the residual as ``down_split_k`` slices of K."""
         return residual_split_k_(x, h, weight, bias, self.down_split_k, self._add_partials_fn)
+
+    def _post_attention_split(
+        self, x: torch.Tensor, att: torch.Tensor, post: tuple[Any, ...]
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """``layer_post_attention`` with the down projection left as float32 split-K partials (and
+        its bias): the next layer's norm kernel adds them into ``x``, so no kernel of their own."""
+        w_o, b_o, norm, w_gu, w_down, b_down = post
+        x = self._residual_fn(x, att, w_o, b_o)
+        h = self._mlp_in_fn(x, norm, w_gu, self.eps)
+        return split_k_partials(h, w_down, self.down_split_k), b_down
 
     @torch.no_grad()
     def set_shared_prompts(self, share_row: Sequence[int], share_len: Sequence[int]) -> None:
@@ -811,17 +840,9 @@ def residual_linear_(
     return x
 
 
-def residual_split_k_(
-    x: torch.Tensor,
-    h: torch.Tensor,
-    weight: torch.Tensor,
-    bias: torch.Tensor | None,
-    splits: int,
-    add_partials: Callable[..., torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """``x += h @ weight.T (+ bias)`` in place, as ``splits`` slices of K: one strided-batched
-    GEMM into float32 partials ``[splits, rows, out]`` (each slice is a view of ``h`` and of
-    ``weight``, nothing is copied) and ``add_partials`` summing them into ``x``.
+def split_k_partials(h: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    """``h @ weight.T`` as ``splits`` slices of K: one strided-batched GEMM into float32 partials
+    ``[splits, rows, out]`` (each slice is a view of ``h`` and of ``weight``, nothing is copied).
 
     Why: a few hundred rows against a long K (the down projection: 512 x 8,960 -> 1,536 at 1.5B)
     give cuBLAS about one output tile per SM, each walking all of K; split, the tiles are
@@ -831,8 +852,20 @@ def residual_split_k_(
     hs = h.view(rows, splits, ks).transpose(0, 1)  # [splits, rows, ks]
     ws = weight.view(weight.shape[0], splits, ks).transpose(0, 1).transpose(1, 2)  # [splits, ks, out]
     # no mixed-precision batched GEMM on the CPU: there, the same sums in float32
-    parts = torch.bmm(hs, ws, out_dtype=torch.float32) if h.is_cuda else torch.bmm(hs.float(), ws.float())
-    return (add_partials or add_partials_)(x, parts, bias)
+    return torch.bmm(hs, ws, out_dtype=torch.float32) if h.is_cuda else torch.bmm(hs.float(), ws.float())
+
+
+def residual_split_k_(
+    x: torch.Tensor,
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    splits: int,
+    add_partials: Callable[..., torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """``x += h @ weight.T (+ bias)`` in place: ``split_k_partials`` and ``add_partials`` summing
+    them into ``x`` (a kernel of its own)."""
+    return (add_partials or add_partials_)(x, split_k_partials(h, weight, splits), bias)
 
 
 def add_partials_(x: torch.Tensor, parts: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
@@ -842,6 +875,21 @@ def add_partials_(x: torch.Tensor, parts: torch.Tensor, bias: torch.Tensor | Non
     if bias is not None:
         acc = acc + bias.float()
     return x.copy_(acc.to(x.dtype))
+
+
+def layer_qkv_after_split(
+    x: torch.Tensor, parts: torch.Tensor, bias: torch.Tensor | None, weights: tuple[Any, ...], eps: float
+) -> torch.Tensor:
+    """The previous layer's split-K partials added into the residual ``x`` in place, then
+    ``layer_qkv``: compiled, the sum, the rounding and the norm are one kernel."""
+    return layer_qkv(add_partials_(x, parts, bias), weights, eps)
+
+
+def final_norm_after_split(
+    x: torch.Tensor, parts: torch.Tensor, bias: torch.Tensor | None, weight: torch.Tensor, eps: float
+) -> torch.Tensor:
+    """``final_norm`` after the last layer's split-K partials are added into ``x`` in place."""
+    return final_norm(add_partials_(x, parts, bias), weight, eps)
 
 
 def _bind_views(fused: torch.Tensor, params: list[Any]) -> None:

@@ -373,19 +373,21 @@ def test_decode_attention_reference_masks_each_row_to_its_length() -> None:
         assert torch.allclose(out[r], want[0], atol=1e-5)
 
 
+@pytest.mark.parametrize("fold", [True, False], ids=["summed-in-next-norm", "summed-by-own-kernel"])
 def test_the_down_projection_split_k_decodes_the_same_tokens_and_logprobs(
-    model: Any, monkeypatch: pytest.MonkeyPatch
+    model: Any, monkeypatch: pytest.MonkeyPatch, fold: bool
 ) -> None:
-    """Large buckets may run the down GEMM as slices of K summed in float32 (``down_split_min_rows``);
-    the engine must sample the same tokens with the same log-probabilities as the one-GEMM path."""
+    """Large buckets may run the down GEMM as slices of K summed in float32 (``down_split_min_rows``),
+    the sum folded into the next norm or not; the engine must sample the same tokens with the same
+    log-probabilities as the one-GEMM path."""
     calls = Counter[int]()
-    real = hf_decode.residual_split_k_
+    real = hf_decode.split_k_partials
 
-    def counted(x: torch.Tensor, h: torch.Tensor, *args: Any) -> torch.Tensor:
+    def counted(h: torch.Tensor, *args: Any) -> torch.Tensor:
         calls[h.shape[0]] += 1
-        return real(x, h, *args)
+        return real(h, *args)
 
-    monkeypatch.setattr(hf_decode, "residual_split_k_", counted)
+    monkeypatch.setattr(hf_decode, "split_k_partials", counted)
     reqs = [
         RolloutRequest(f"r{i}", p, SamplingParams(n=4, max_tokens=12, seed=i))
         for i, p in enumerate([[1, 5, 6, 7], [2, 9, 8], [3, 3, 4, 5, 6]])
@@ -393,6 +395,7 @@ def test_the_down_projection_split_k_decodes_the_same_tokens_and_logprobs(
     outs = {}
     for min_rows in (0, 8):
         with HFEngine(model=model, num_slots=16, max_seq_len=32, down_split_min_rows=min_rows) as eng:
+            eng.decoder.down_split_fold = fold
             outs[min_rows] = eng.generate(reqs)
             assert eng.decoder.down_split_min_rows == min_rows
     one, split = outs[0], outs[8]
