@@ -47,7 +47,11 @@ from rlkube.runtime.models.roofline import model_cost, rollout_bound  # noqa: E4
 from rlkube.runtime.models.tiny import make_qwen2_like, tiny_qwen2_config  # noqa: E402
 from rlkube.runtime.rollout.base import RolloutRequest, SamplingParams  # noqa: E402
 from rlkube.runtime.rollout.hf import HFEngine, teacher_forced_logprobs  # noqa: E402
-from rlkube.runtime.rollout.hf_decode import DOWN_SPLIT_MIN_ROWS_DEFAULT, LINEAR_MAX_ROWS_DEFAULT  # noqa: E402
+from rlkube.runtime.rollout.hf_decode import (  # noqa: E402
+    DOWN_SPLIT_K,
+    DOWN_SPLIT_MIN_ROWS_DEFAULT,
+    LINEAR_MAX_ROWS_DEFAULT,
+)
 
 
 def reset_peak(dev: torch.device) -> None:
@@ -117,6 +121,7 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
         down_split_min_rows=(
             DOWN_SPLIT_MIN_ROWS_DEFAULT if args.down_split_min_rows is None else args.down_split_min_rows
         ),
+        down_split_k=DOWN_SPLIT_K if args.down_split_k is None else args.down_split_k,
     )
     engine.decoder.compiled_prefill = args.prefill == "compiled"
     try:
@@ -329,6 +334,10 @@ def main(argv: list[str] | None = None) -> int:
         "--down-split-min-rows", type=int, default=None,
         help="buckets of at least this many rows run the down GEMM split-K (0: never; default: the "
         "engine's, hf_decode.DOWN_SPLIT_MIN_ROWS_DEFAULT)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--down-split-k", type=int, default=None,
+        help="slices of K in the split down GEMM (default: the engine's, hf_decode.DOWN_SPLIT_K)",
     )  # fmt: skip
     ap.add_argument("--skip-generate", action="store_true")
     ap.add_argument("--profile", action="store_true", help="kernel tables of the b64 and b512 decode (GPU)")

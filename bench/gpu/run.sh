@@ -7,8 +7,8 @@
 # without (all read at collection), one after the other (harvest-ab/ under $out).
 # split-down-ab: the down projection split-K (hf_decode.split_k_partials): the residual GEMMs alone
 # per split at 512 rows, the 512-row step per split (partials summed in the next norm, or "-sep" by
-# their own kernel), then the rollout without it and with it for buckets of >= 256 rows
-# (split-down-ab/ under $out).
+# their own kernel), then the rollout without it and with it (2 and 4 slices) for buckets of >= 256
+# rows (split-down-ab/ under $out).
 # linear-layers / linear-rollout: the fused linear kernel (rollout/decode_linear.py; off, slower on
 # an H100 at stop 29), in two calls of a few minutes each (linear-ab/ under $out): each layer alone against
 # cuBLAS per launch setting (64 and 512 rows) and the decode step with it on and off; then the
@@ -55,14 +55,17 @@ for bench in ${*:-weights rollout trainer}; do
       OUT=$out/harvest-ab/off python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate --shapes b64,b512 \
         --harvest off > "$out/harvest-ab/off/rollout-gpu.log" || status=1 ;;
     split-down-ab)
-      mkdir -p "$out/split-down-ab/on"
+      mkdir -p "$out/split-down-ab"
       OUT=$out/split-down-ab python3 "$top/bench/gpu/decode_step_gpu.py" --sizes 1.5b,0.5b --rows 512 \
         --configs default,down-k2,down-k4,down-k2-sep,down-k4-sep,default --linear bmm2,bmm4 --linear-rows 512 \
         --repeats 5 --no-capture-check > "$out/split-down-ab/decode-step-gpu.log" || status=1
       OUT=$out/split-down-ab python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate --shapes b512 \
         --down-split-min-rows 0 > "$out/split-down-ab/rollout-gpu.log" || status=1
-      OUT=$out/split-down-ab/on python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate --shapes b512 \
-        --down-split-min-rows 256 > "$out/split-down-ab/on/rollout-gpu.log" || status=1 ;;
+      for k in 2 4; do
+        mkdir -p "$out/split-down-ab/on-k$k"
+        OUT=$out/split-down-ab/on-k$k python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate --shapes b512 \
+          --down-split-min-rows 256 --down-split-k $k > "$out/split-down-ab/on-k$k/rollout-gpu.log" || status=1
+      done ;;
     linear-rollout)
       mkdir -p "$out/linear-ab/on"
       OUT=$out/linear-ab python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate \

@@ -39,6 +39,7 @@ from rlkube.runtime.rollout.base import (
     sample_seed,
 )
 from rlkube.runtime.rollout.hf_decode import (
+    DOWN_SPLIT_K,
     DOWN_SPLIT_MIN_ROWS_DEFAULT,
     LINEAR_MAX_ROWS_DEFAULT,
     CompileSetting,
@@ -139,6 +140,7 @@ class HFEngine(ThreadedEngine):
         harvest_tokens: bool = True,
         linear_max_rows: int = LINEAR_MAX_ROWS_DEFAULT,
         down_split_min_rows: int = DOWN_SPLIT_MIN_ROWS_DEFAULT,
+        down_split_k: int = DOWN_SPLIT_K,
         seed: int = 0,
         version: int = 0,
         config_overrides: dict[str, Any] | None = None,
@@ -167,6 +169,7 @@ class HFEngine(ThreadedEngine):
             kernels_setting=kernels,
             linear_max_rows=linear_max_rows,
             down_split_min_rows=down_split_min_rows,
+            down_split_k=down_split_k,
         )
         self.sync_every = sync_every or (16 if self.device.type == "cuda" else 4)
         self._version = version
