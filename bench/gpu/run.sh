@@ -56,15 +56,17 @@ for bench in ${*:-weights rollout trainer}; do
         --harvest off > "$out/harvest-ab/off/rollout-gpu.log" || status=1 ;;
     split-down-ab)
       mkdir -p "$out/split-down-ab"
-      OUT=$out/split-down-ab python3 "$top/bench/gpu/decode_step_gpu.py" --sizes 1.5b,0.5b --rows 512 \
-        --configs default,down-k2,down-k4,down-k2-sep,down-k4-sep,default --linear bmm2,bmm4 --linear-rows 512 \
-        --repeats 5 --no-capture-check > "$out/split-down-ab/decode-step-gpu.log" || status=1
-      OUT=$out/split-down-ab python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate --shapes b512 \
+      # time-boxed to fit one 600 s device call (each part saves what it measured as it goes), and
+      # at most 8 files (the device tool's limit): the split runs' logs go to stdout
+      OUT=$out/split-down-ab timeout 240 python3 "$top/bench/gpu/decode_step_gpu.py" --sizes 1.5b,0.5b --rows 512 \
+        --configs default,down-k2,down-k4,down-k2-sep,default --linear bmm2,bmm4 --linear-rows 512 \
+        --repeats 3 --no-capture-check > "$out/split-down-ab/decode-step-gpu.log" || status=1
+      OUT=$out/split-down-ab timeout 110 python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate --sizes 1.5b,0.5b --shapes b512 \
         --down-split-min-rows 0 > "$out/split-down-ab/rollout-gpu.log" || status=1
       for k in 2 4; do
         mkdir -p "$out/split-down-ab/on-k$k"
-        OUT=$out/split-down-ab/on-k$k python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate --shapes b512 \
-          --down-split-min-rows 256 --down-split-k $k > "$out/split-down-ab/on-k$k/rollout-gpu.log" || status=1
+        OUT=$out/split-down-ab/on-k$k timeout 110 python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate --sizes 1.5b,0.5b \
+          --shapes b512 --down-split-min-rows 256 --down-split-k $k | tail -3 || status=1  # the JSON has it all
       done ;;
     linear-rollout)
       mkdir -p "$out/linear-ab/on"
