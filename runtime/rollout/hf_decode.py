@@ -545,7 +545,6 @@ class StaticDecoder:
         att_kernel = self._attention
         lin = self._linear if nb <= self.linear_max_rows else None
         split = lin is None and bool(self.down_split_min_rows) and nb >= self.down_split_min_rows
-        down = self._split_down if split and not self.down_split_fold else None
         pending: tuple[torch.Tensor, torch.Tensor | None] | None = None  # partials not yet in x
         for i in range(len(self.layers)):
             pre, post = self._layer_weights(i)
@@ -567,10 +566,12 @@ class StaticDecoder:
             att = att.reshape(nb, self.n_heads * D)
             if lin is not None:
                 x = small_layer_post_attention(lin, x, att, post, self.eps)
-            elif split and self.down_split_fold:
+            elif split:
                 pending = self._post_attention_split(x, att, post)
+                if not self.down_split_fold:  # summed now, by a kernel of their own
+                    x, pending = self._add_partials_fn(x, *pending), None
             else:
-                x = layer_post_attention(x, att, post, self.eps, self._mlp_in_fn, self._residual_fn, down)
+                x = layer_post_attention(x, att, post, self.eps, self._mlp_in_fn, self._residual_fn)
         if pending is not None:
             parts, bias = pending
             logits = self._head(x, lambda h, w, eps: self._final_norm_after_split_fn(h, parts, bias, w, eps))
@@ -584,17 +585,11 @@ class StaticDecoder:
             s.running[:nb], s.stopped[:nb], s.stop_ids[:nb], s.out_tok[:nb], s.out_lp[:nb], self.T,
         )  # fmt: skip
 
-    def _split_down(
-        self, x: torch.Tensor, h: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
-    ) -> torch.Tensor:
-        """The down projection into the residual as ``down_split_k`` slices of K."""
-        return residual_split_k_(x, h, weight, bias, self.down_split_k, self._add_partials_fn)
-
     def _post_attention_split(
         self, x: torch.Tensor, att: torch.Tensor, post: tuple[Any, ...]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``layer_post_attention`` with the down projection left as float32 split-K partials (and
-        its bias): the next layer's norm kernel adds them into ``x``, so no kernel of their own."""
+        its bias), for the next layer's norm kernel (or ``add_partials_``) to add into ``x``."""
         w_o, b_o, norm, w_gu, w_down, b_down = post
         x = self._residual_fn(x, att, w_o, b_o)
         h = self._mlp_in_fn(x, norm, w_gu, self.eps)
@@ -802,16 +797,14 @@ def layer_post_attention(
     eps: float,
     mlp_in: Callable[..., torch.Tensor] = layer_mlp_in,
     residual: Callable[..., torch.Tensor] | None = None,
-    down_residual: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """o_proj into the residual, then the gated MLP into the residual, both in place on ``x``
     [..., H] (the caller's residual stream); ``mlp_in`` and ``residual`` are ``layer_mlp_in`` and
-    ``residual_linear_`` or their compiled copies; ``down_residual`` (default ``residual``) runs
-    the down projection (the decoder's split-K one at large batches)."""
+    ``residual_linear_`` or their compiled copies."""
     residual = residual or residual_linear_
     w_o, b_o, norm, w_gu, w_down, b_down = weights
     x = residual(x, att, w_o, b_o)
-    return (down_residual or residual)(x, mlp_in(x, norm, w_gu, eps), w_down, b_down)
+    return residual(x, mlp_in(x, norm, w_gu, eps), w_down, b_down)
 
 
 def small_layer_post_attention(
