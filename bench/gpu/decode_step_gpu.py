@@ -47,9 +47,9 @@ from rlkube.runtime.models.roofline import decode_step_bytes, decode_step_flops,
 from rlkube.runtime.models.tiny import make_qwen2_like, tiny_qwen2_config  # noqa: E402
 from rlkube.runtime.rollout.hf_decode import (  # noqa: E402
     DOWN_SPLIT_K,
-    DOWN_SPLIT_MIN_ROWS_DEFAULT,
     LINEAR_MAX_ROWS_DEFAULT,
     StaticDecoder,
+    auto_down_split_min_rows,
 )
 
 # name -> settings of the attention kernel: ``split`` (positions per program; None for the default
@@ -88,7 +88,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "lin-2x": {"linear": {"programs_per_sm": 2}},
     "lin-w8": {"linear": {"num_warps": 8}},
     # the down GEMM split-K (hf_decode.split_k_partials) at every row count, in N slices of K
-    # (the engine's default is hf_decode.DOWN_SPLIT_MIN_ROWS_DEFAULT / DOWN_SPLIT_K), or never;
+    # (the engine's default: hf_decode.auto_down_split_min_rows / DOWN_SPLIT_K), or never;
     # the partials summed inside the next norm's kernel, or ("-sep") by a kernel of their own
     "down-k2": {"down_split_k": 2},
     "down-k4": {"down_split_k": 4},
@@ -165,7 +165,9 @@ def configure(
         k = cfg["down_split_k"]
         dec.down_split_min_rows, dec.down_split_k = (1, k) if k else (0, DOWN_SPLIT_K)
     else:
-        dec.down_split_min_rows, dec.down_split_k = DOWN_SPLIT_MIN_ROWS_DEFAULT, DOWN_SPLIT_K
+        inter = int(dec.model.config.intermediate_size)
+        dec.down_split_min_rows = auto_down_split_min_rows(inter, dec.device.type)
+        dec.down_split_k = DOWN_SPLIT_K
     dec.down_split_fold = cfg.get("down_split_fold", True)
     dec.drop_graphs()
     leaders = [r - r % GROUP for r in range(rows)]

@@ -49,7 +49,6 @@ from rlkube.runtime.rollout.base import RolloutRequest, SamplingParams  # noqa: 
 from rlkube.runtime.rollout.hf import HFEngine, teacher_forced_logprobs  # noqa: E402
 from rlkube.runtime.rollout.hf_decode import (  # noqa: E402
     DOWN_SPLIT_K,
-    DOWN_SPLIT_MIN_ROWS_DEFAULT,
     LINEAR_MAX_ROWS_DEFAULT,
 )
 
@@ -118,9 +117,7 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
         share_prompt_reads=args.share_prompt == "on",
         harvest_tokens=args.harvest == "on",
         linear_max_rows=LINEAR_MAX_ROWS_DEFAULT if args.linear_max_rows is None else args.linear_max_rows,
-        down_split_min_rows=(
-            DOWN_SPLIT_MIN_ROWS_DEFAULT if args.down_split_min_rows is None else args.down_split_min_rows
-        ),
+        down_split_min_rows=args.down_split_min_rows,  # None: the decoder's own rule
         down_split_k=DOWN_SPLIT_K if args.down_split_k is None else args.down_split_k,
     )
     engine.decoder.compiled_prefill = args.prefill == "compiled"
@@ -333,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--down-split-min-rows", type=int, default=None,
         help="buckets of at least this many rows run the down GEMM split-K (0: never; default: the "
-        "engine's, hf_decode.DOWN_SPLIT_MIN_ROWS_DEFAULT)",
+        "engine's rule, hf_decode.auto_down_split_min_rows)",
     )  # fmt: skip
     ap.add_argument(
         "--down-split-k", type=int, default=None,

@@ -40,7 +40,6 @@ from rlkube.runtime.rollout.base import (
 )
 from rlkube.runtime.rollout.hf_decode import (
     DOWN_SPLIT_K,
-    DOWN_SPLIT_MIN_ROWS_DEFAULT,
     LINEAR_MAX_ROWS_DEFAULT,
     CompileSetting,
     KernelSetting,
@@ -139,7 +138,7 @@ class HFEngine(ThreadedEngine):
         share_prompt_reads: bool = True,
         harvest_tokens: bool = True,
         linear_max_rows: int = LINEAR_MAX_ROWS_DEFAULT,
-        down_split_min_rows: int = DOWN_SPLIT_MIN_ROWS_DEFAULT,
+        down_split_min_rows: int | None = None,
         down_split_k: int = DOWN_SPLIT_K,
         seed: int = 0,
         version: int = 0,

@@ -71,9 +71,20 @@ KernelSetting = bool | str  # True (required), False (PyTorch only) or "auto" (o
 LINEAR_MAX_ROWS_DEFAULT = 0
 # Buckets of at least this many rows run the down projection split-K (``split_k_partials``:
 # ``DOWN_SPLIT_K`` slices of its long K, one batched GEMM into float32 partials, added into the
-# residual by the next layer's norm kernel, or the final norm's). 0: never.
-DOWN_SPLIT_MIN_ROWS_DEFAULT = 0
-DOWN_SPLIT_K = 4
+# residual by the next layer's norm kernel, or the final norm's). 0: never. By default ("auto",
+# ``down_split_min_rows=None``) only on GPUs and only for MLPs at least DOWN_SPLIT_MIN_INTERMEDIATE
+# wide: on an H100 (stop 32) two slices made the 512-row step of Qwen2.5-1.5B (MLP 8960 wide)
+# 1.03x faster and its b512 rollout 46.4 -> 47.8% of the bound, but the 0.5B step (4864 wide)
+# 0.95x slower, and four slices lost at both sizes (docs/benchmarks.md, stop 32).
+DOWN_SPLIT_MIN_ROWS_DEFAULT = 256
+DOWN_SPLIT_MIN_INTERMEDIATE = 8192
+DOWN_SPLIT_K = 2
+
+
+def auto_down_split_min_rows(intermediate_size: int, device_type: str, k: int = DOWN_SPLIT_K) -> int:
+    """The ``down_split_min_rows`` the decoder uses when it is not given: where it was measured to win."""
+    wide = intermediate_size >= DOWN_SPLIT_MIN_INTERMEDIATE and intermediate_size % k == 0
+    return DOWN_SPLIT_MIN_ROWS_DEFAULT if device_type == "cuda" and wide else 0
 
 
 @dataclass
@@ -136,10 +147,14 @@ class StaticDecoder:
         kv_bucket: int = 128,
         max_prefill_tokens: int = 16384,
         linear_max_rows: int = LINEAR_MAX_ROWS_DEFAULT,
-        down_split_min_rows: int = DOWN_SPLIT_MIN_ROWS_DEFAULT,
+        down_split_min_rows: int | None = None,
         down_split_k: int = DOWN_SPLIT_K,
     ) -> None:
         cfg: Any = model.config
+        if down_split_min_rows is None:  # "auto": where it was measured to win
+            down_split_min_rows = auto_down_split_min_rows(
+                int(cfg.intermediate_size), next(model.parameters()).device.type, down_split_k
+            )
         if not (isinstance(linear_max_rows, int) and linear_max_rows >= 0):
             raise ValueError(
                 f"linear_max_rows must be an integer >= 0 (0: cuBLAS only), not {linear_max_rows!r}"

@@ -406,6 +406,18 @@ def test_the_down_projection_split_k_decodes_the_same_tokens_and_logprobs(
     assert err < LOGPROB_ATOL
 
 
+def test_the_down_split_is_on_by_default_only_where_it_was_measured_to_win(model: Any) -> None:
+    """By default the split runs on GPUs for wide MLPs (Qwen2.5-1.5B: 8960) and nowhere else: the
+    0.5B MLP (4864) ran slower split on an H100, and the CPU path was never measured."""
+    k = hf_decode.DOWN_SPLIT_K
+    assert hf_decode.auto_down_split_min_rows(8960, "cuda") == hf_decode.DOWN_SPLIT_MIN_ROWS_DEFAULT > 0
+    assert hf_decode.auto_down_split_min_rows(4864, "cuda") == 0
+    assert hf_decode.auto_down_split_min_rows(8960, "cpu") == 0
+    assert hf_decode.auto_down_split_min_rows(8192 * k + 1, "cuda", k) == 0  # k must divide the width
+    dec = StaticDecoder(model, num_slots=4, max_seq_len=16, max_new_tokens=4)
+    assert dec.down_split_min_rows == 0  # this test model on the CPU
+
+
 def test_a_down_split_that_does_not_divide_the_mlp_width_is_refused_naming_the_fix(model: Any) -> None:
     inter = model.config.intermediate_size
     bad = next(k for k in range(3, 64) if inter % k)
