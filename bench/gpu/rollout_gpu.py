@@ -27,6 +27,7 @@ writes kernel tables of the b64 and b512 decode to ``$OUT/rollout-profile.txt``)
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import os
@@ -100,6 +101,19 @@ def make_requests(
     return reqs
 
 
+class GcPauses:
+    """A ``gc.callbacks`` entry adding up the collector's pauses (they stall the engine's loop)."""
+
+    def __init__(self) -> None:
+        self.count, self.seconds, self._t = 0, 0.0, 0.0
+
+    def __call__(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.count, self.seconds = self.count + 1, self.seconds + time.perf_counter() - self._t
+
+
 def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.device) -> dict[str, Any]:
     p_lens, r_lens, samples = shape_lengths(shape, args, seed=1)
     warm_p, warm_r, _ = shape_lengths(shape, args, seed=2)  # same distribution, other draws
@@ -119,6 +133,7 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
         linear_max_rows=LINEAR_MAX_ROWS_DEFAULT if args.linear_max_rows is None else args.linear_max_rows,
         down_split_min_rows=args.down_split_min_rows,  # None: the decoder's own rule
         down_split_k=DOWN_SPLIT_K if args.down_split_k is None else args.down_split_k,
+        freeze_heap=args.freeze_heap == "on",
     )
     engine.decoder.compiled_prefill = args.prefill == "compiled"
     try:
@@ -132,11 +147,16 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
         reqs = make_requests("q", vocab, p_lens, r_lens, samples, seed=1)
         reset_peak(dev)
         engine.phase_events = []  # filled on CUDA only (the engine records no events elsewhere)
+        graphs0, pauses = len(d._graphs), GcPauses()
         common.sync(dev)
+        gc.callbacks.append(pauses)
         t = time.perf_counter()
-        out = engine.generate(reqs)
-        common.sync(dev)
-        dt = time.perf_counter() - t
+        try:
+            out = engine.generate(reqs)
+            common.sync(dev)
+            dt = time.perf_counter() - t
+        finally:
+            gc.callbacks.remove(pauses)
         phases = phase_seconds(engine.phase_events or [])
         engine.phase_events = None
         tokens = sum(len(c.token_ids) for c in out)
@@ -169,6 +189,11 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
             "harvest_tokens": engine.harvest_tokens,
             "kernel_errors": d.kernel_errors,
             "graphs_captured": len(d._graphs),
+            "graphs_captured_in_timed_call": len(d._graphs) - graphs0,
+            # the host's garbage-collector pauses inside the timed call (count, seconds)
+            "gc_pauses": pauses.count,
+            "gc_pause_seconds": pauses.seconds,
+            "freeze_heap": args.freeze_heap == "on",
             "steps_by_bucket": dict(sorted(d.steps_by_bucket.items())),
             "rows_moved": d.rows_moved - moved0,
             "prefill_forwards": d.prefill_forwards - prefill0,
@@ -336,6 +361,11 @@ def main(argv: list[str] | None = None) -> int:
         "--down-split-k", type=int, default=None,
         help="slices of K in the split down GEMM (default: the engine's, hf_decode.DOWN_SPLIT_K)",
     )  # fmt: skip
+    ap.add_argument(
+        "--freeze-heap", choices=("on", "off"), default="on",
+        help="off: the engine leaves the warm heap to the garbage collector (the A/B of its pauses; "
+        "the flag is once per process, so each setting needs a process of its own)",
+    )  # fmt: skip
     ap.add_argument("--skip-generate", action="store_true")
     ap.add_argument("--profile", action="store_true", help="kernel tables of the b64 and b512 decode (GPU)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, seconds")
@@ -363,7 +393,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"bound {x['bound']['bound_tokens_per_s']:>9.0f} -> {100 * x['fraction_of_bound']:.1f}% "
                     f"({100 * x['fraction_of_unique_read_bound']:.1f}% of the unique-read bound), "
                     f"first call {x['first_call_seconds']:.1f} s, kernels {x['kernels']}, "
-                    f"phases {x['phase_seconds']} of {x['seconds']:.4f} s"
+                    f"phases {x['phase_seconds']} of {x['seconds']:.4f} s, gc {x['gc_pauses']} pauses "
+                    f"{x['gc_pause_seconds']:.3f} s, graphs captured in the call "
+                    f"{x['graphs_captured_in_timed_call']}"
                 )
             elif x:
                 print(f"{r['size']} {shape}: {x.get('error')}")
