@@ -363,8 +363,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     ap.add_argument(
         "--freeze-heap", choices=("on", "off"), default="on",
-        help="off: the engine leaves the warm heap to the garbage collector (the A/B of its pauses; "
-        "the flag is once per process, so each setting needs a process of its own)",
+        help="off: the engine leaves the warm heap to the garbage collector (the A/B of its pauses)",
     )  # fmt: skip
     ap.add_argument("--skip-generate", action="store_true")
     ap.add_argument("--profile", action="store_true", help="kernel tables of the b64 and b512 decode (GPU)")

@@ -151,10 +151,10 @@ class StaticDecoder:
         down_split_k: int = DOWN_SPLIT_K,
     ) -> None:
         cfg: Any = model.config
+        p = next(model.parameters())
         if down_split_min_rows is None:  # "auto": where it was measured to win
-            down_split_min_rows = auto_down_split_min_rows(
-                int(cfg.intermediate_size), next(model.parameters()).device.type, down_split_k
-            )
+            inter = int(cfg.intermediate_size)
+            down_split_min_rows = auto_down_split_min_rows(inter, p.device.type, down_split_k)
         if not (isinstance(linear_max_rows, int) and linear_max_rows >= 0):
             raise ValueError(
                 f"linear_max_rows must be an integer >= 0 (0: cuBLAS only), not {linear_max_rows!r}"
@@ -180,7 +180,6 @@ class StaticDecoder:
         self.model: Any = model
         self.inner: Any = self.model.model
         self.layers: list[Any] = list(self.inner.layers)
-        p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self.n_heads = int(cfg.num_attention_heads)
         self.n_kv = int(cfg.num_key_value_heads)
