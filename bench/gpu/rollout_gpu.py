@@ -43,6 +43,7 @@ _spec.loader.exec_module(common)
 common.import_rlkube()
 
 import torch  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
 
 from rlkube.runtime.models.roofline import model_cost, rollout_bound  # noqa: E402
 from rlkube.runtime.models.tiny import make_qwen2_like, tiny_qwen2_config  # noqa: E402
@@ -136,10 +137,15 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
         freeze_heap=args.freeze_heap == "on",
     )
     engine.decoder.compiled_prefill = args.prefill == "compiled"
+    engine.decoder.dynamic_rows = args.dynamic_rows == "on"
+    init_s = time.perf_counter() - t0
+    graphs_compiled0 = counters["stats"]["unique_graphs"]
     try:
         engine.generate(make_requests("w", vocab, warm_p, warm_r, samples, seed=2))  # compiles, captures
         common.sync(dev)
         first_call_s = time.perf_counter() - t0
+        capture_s = dict(sorted(engine.decoder.capture_seconds.items()))
+        graphs_compiled = counters["stats"]["unique_graphs"] - graphs_compiled0
         d = engine.decoder
         d.steps_by_bucket.clear()
         moved0, prefill0 = d.rows_moved, d.prefill_forwards
@@ -175,6 +181,15 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
             "seconds": dt,
             "tokens_per_s": tokens / dt,
             "first_call_seconds": first_call_s,
+            # its parts: building the engine (KV cache, kernel self-checks), then per batch bucket
+            # the compiles, warm-up steps and graph capture (host seconds), and the number of
+            # graphs torch.compile built (all cold with empty TORCHINDUCTOR_CACHE_DIR/TRITON_CACHE_DIR)
+            "engine_init_seconds": init_s,
+            "capture_seconds": sum(capture_s.values()),
+            "capture_seconds_by_bucket": capture_s,
+            "graphs_compiled": graphs_compiled,
+            "dynamic_rows": engine.decoder.dynamic_rows,
+            "compile_caches": {k: os.environ.get(k) for k in ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")},
             "peak_memory_gib": peak_gib(dev),
             "cuda_graphs": d.use_graphs,
             "compiled": d.compiled,
@@ -365,6 +380,13 @@ def main(argv: list[str] | None = None) -> int:
         "--freeze-heap", choices=("on", "off"), default="on",
         help="off: the engine leaves the warm heap to the garbage collector (the A/B of its pauses)",
     )  # fmt: skip
+    ap.add_argument(
+        "--dynamic-rows",
+        choices=["on", "off"],
+        default="on",
+        help="compile the step's functions with the batch rows dynamic from the first compile (off: "
+        "torch's default, which recompiles at the second bucket)",
+    )
     ap.add_argument("--skip-generate", action="store_true")
     ap.add_argument("--profile", action="store_true", help="kernel tables of the b64 and b512 decode (GPU)")
     ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, seconds")
@@ -391,7 +413,9 @@ def main(argv: list[str] | None = None) -> int:
                     f"{r['size']:>5} {shape:>5} batch {x['batch']:>4}: {x['tokens_per_s']:>9.0f} tok/s, "
                     f"bound {x['bound']['bound_tokens_per_s']:>9.0f} -> {100 * x['fraction_of_bound']:.1f}% "
                     f"({100 * x['fraction_of_unique_read_bound']:.1f}% of the unique-read bound), "
-                    f"first call {x['first_call_seconds']:.1f} s, kernels {x['kernels']}, "
+                    f"first call {x['first_call_seconds']:.1f} s (init {x['engine_init_seconds']:.1f} s, "
+                    f"capture {x['capture_seconds']:.1f} s, {x['graphs_compiled']} graphs compiled), "
+                    f"kernels {x['kernels']}, "
                     f"phases {x['phase_seconds']} of {x['seconds']:.4f} s, gc {x['gc_pauses']} pauses "
                     f"{x['gc_pause_seconds']:.3f} s, graphs captured in the call "
                     f"{x['graphs_captured_in_timed_call']}"

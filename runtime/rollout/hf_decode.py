@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -246,6 +247,10 @@ class StaticDecoder:
         # True: the prefill runs the step's compiled functions too (the benchmark's A/B: on one
         # H100 that made admission slower, 24 vs 14 ms for 8 prompts of 64 tokens at 0.5B, so eager)
         self.compiled_prefill = False
+        # True: each compiled function's first compile treats the batch (row) dimension as dynamic,
+        # so one compile serves every bucket; False: the first bucket compiles with its size fixed
+        # and the second one recompiles it dynamic (torch's default: twice the cold compiles)
+        self.dynamic_rows = True
         self.compile_error: str | None = None  # traceback of a failed compile (then eager)
         self.graph_error: str | None = None  # traceback of a failed graph capture (then no graphs)
         self._compiled_ok: set[tuple[int, int]] = set()  # (rows, kv_len) steps that ran compiled
@@ -267,6 +272,7 @@ class StaticDecoder:
             self._final_norm_after_split_fn = torch.compile(final_norm_after_split)
         # host-side counters (benchmarks and tests read them): steps per batch bucket, rows moved
         self.steps_by_bucket: dict[int, int] = {}
+        self.capture_seconds: dict[int, float] = {}  # host seconds per bucket: compile, warm-up, capture
         self.rows_moved = 0
         self.prefill_forwards = 0
 
@@ -556,6 +562,9 @@ class StaticDecoder:
         s, D = self.state, self.head_dim
         pos = s.pos[:nb].clamp(max=self.S - 1)
         x = self.inner.embed_tokens(s.cur_tok[:nb])  # [nb, H]
+        mark = self.compiled and self.dynamic_rows
+        if mark:  # x is the residual stream every layer updates in place: one mark covers them all
+            _rows_dynamic(x)
         att_kernel = self._attention
         lin = self._linear if nb <= self.linear_max_rows else None
         split = lin is None and bool(self.down_split_min_rows) and nb >= self.down_split_min_rows
@@ -582,6 +591,8 @@ class StaticDecoder:
                 x = small_layer_post_attention(lin, x, att, post, self.eps)
             elif split:
                 pending = self._post_attention_split(x, att, post)
+                if mark:
+                    _rows_dynamic(pending[0], dim=1)
                 if not self.down_split_fold:  # summed now, by a kernel of their own
                     x, pending = self._add_partials_fn(x, *pending), None
             else:
@@ -591,13 +602,19 @@ class StaticDecoder:
             logits = self._head(x, lambda h, w, eps: self._final_norm_after_split_fn(h, parts, bias, w, eps))
         else:
             logits = self._head(x, self._final_norm_fn)
+        keys, counters = s.key[:nb], s.n_gen[:nb]
+        if mark:
+            _rows_dynamic(keys, counters)
         tok, lp = self.sample(
-            logits, s.temperature[:nb], s.top_p[:nb], s.key[:nb], s.n_gen[:nb], self.any_top_p, self._seeds_fn
+            logits, s.temperature[:nb], s.top_p[:nb], keys, counters, self.any_top_p, self._seeds_fn
         )
-        self._advance_fn(
+        slots = (
             tok, lp, self._rows[:nb], s.cur_tok[:nb], s.pos[:nb], s.n_gen[:nb], s.max_new[:nb],
-            s.running[:nb], s.stopped[:nb], s.stop_ids[:nb], s.out_tok[:nb], s.out_lp[:nb], self.T,
+            s.running[:nb], s.stopped[:nb], s.stop_ids[:nb], s.out_tok[:nb], s.out_lp[:nb],
         )  # fmt: skip
+        if mark:
+            _rows_dynamic(*slots)
+        self._advance_fn(*slots, self.T)
 
     def _post_attention_split(
         self, x: torch.Tensor, att: torch.Tensor, post: tuple[Any, ...]
@@ -635,7 +652,9 @@ class StaticDecoder:
             key = (nb, kv_len, self.any_top_p)
             graph = self._graphs.get(key)
             if graph is None:
+                t0 = time.perf_counter()
                 graph = self._capture(nb, kv_len)
+                self.capture_seconds[nb] = self.capture_seconds.get(nb, 0.0) + time.perf_counter() - t0
             if graph is not None:
                 self._graphs[key] = graph
                 graph.replay()
@@ -728,6 +747,14 @@ class StaticDecoder:
         would leave the engine decoding without graphs, several times slower."""
         self._graphs.clear()
         self._pool = None
+
+
+def _rows_dynamic(*tensors: torch.Tensor, dim: int = 0) -> None:
+    """Ask ``torch.compile`` to treat ``dim`` (the batch rows) of each tensor as dynamic when it
+    first compiles a function taking them; a hint, so a function that needs the size fixed still
+    compiles (fixed) instead of failing."""
+    for t in tensors:
+        torch._dynamo.maybe_mark_dynamic(t, dim)
 
 
 def release_rng_after_failed_capture(device: torch.device) -> None:

@@ -313,6 +313,40 @@ def test_the_max_autotune_compile_setting_decodes_the_same_tokens() -> None:
     assert got == want
 
 
+# inductor's CPU backend still calls torch.jit.script_method, which warns in torch 2.13
+@pytest.mark.filterwarnings("ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+@pytest.mark.slow
+def test_a_compiled_step_compiles_nothing_more_for_a_second_batch_bucket() -> None:
+    """Cold compiles are most of an engine's first call on a GPU (twelve batch buckets at 512
+    slots). The batch rows are dynamic from each function's first compile, so a bucket the step
+    has not run before costs no compile (torch's default recompiles once more), and the tokens
+    are the eager step's. Here inductor's CPU backend compiles."""
+    from torch._dynamo.utils import counters
+
+    from rlkube.runtime.rollout.base import RolloutRequest, SamplingParams
+
+    def requests(budgets: list[int]) -> list[RolloutRequest]:
+        return [
+            RolloutRequest(f"r{i}", [1, 2, 3 + i], SamplingParams(n=8, max_tokens=m, temperature=1.0, seed=i))
+            for i, m in enumerate(budgets)
+        ]
+
+    same, mixed = requests([4, 4, 4]), requests([2, 5, 9])  # 24 rows throughout; 24 then 8
+    with HFEngine(model=_tiny_qwen2_for_fused_test(), num_slots=24, max_seq_len=32) as eager:
+        want = [sorted(tuple(c.token_ids) for c in eager.generate(r)) for r in (same, mixed)]
+    with HFEngine(model=_tiny_qwen2_for_fused_test(), num_slots=24, max_seq_len=32, compile_step=True) as eng:
+        d = eng.decoder
+        assert d.compiled and d.dynamic_rows
+        got = [sorted(tuple(c.token_ids) for c in eng.generate(same))]
+        assert set(d.steps_by_bucket) == {24}
+        graphs = counters["stats"]["unique_graphs"]
+        got.append(sorted(tuple(c.token_ids) for c in eng.generate(mixed)))
+        assert min(d.steps_by_bucket) < 24  # a smaller bucket ran ...
+        assert counters["stats"]["unique_graphs"] == graphs  # ... and compiled nothing
+        assert d.compiled and d.compile_error is None
+    assert got == want
+
+
 def test_an_aborted_graph_capture_leaves_the_engine_decoding_without_graphs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
