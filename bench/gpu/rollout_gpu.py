@@ -185,6 +185,7 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
             # the compiles, warm-up steps and graph capture (host seconds), and the number of
             # graphs torch.compile built (all cold with empty TORCHINDUCTOR_CACHE_DIR/TRITON_CACHE_DIR)
             "engine_init_seconds": init_s,
+            "kernel_check_seconds": engine.decoder.kernel_check_seconds,
             "capture_seconds": sum(capture_s.values()),
             "capture_seconds_by_bucket": capture_s,
             "graphs_compiled": graphs_compiled,

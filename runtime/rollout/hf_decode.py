@@ -316,6 +316,7 @@ class StaticDecoder:
         if setting not in (True, False, "auto"):
             raise ValueError(f"kernels must be True, False or 'auto', not {setting!r}")
         self.kernel_errors: dict[str, str] = {}
+        self.kernel_check_seconds: dict[str, float] = {}
         self._attention: Any = None
         self._sampler: Any = None
         self._silu: Callable[[torch.Tensor], torch.Tensor] | None = None
@@ -366,6 +367,7 @@ class StaticDecoder:
     ) -> Any:
         """``make()`` if it builds and passes its self-check (``kernels.self_check`` unless
         ``check`` is given), else None with the reason kept."""
+        t0 = time.perf_counter()
         try:
             fn = make()
             if check is None:
@@ -374,6 +376,8 @@ class StaticDecoder:
                 err = check(fn, self.device, dtype=self.dtype, **shape)
         except Exception as exc:
             err = f"{type(exc).__name__}: {exc}"
+        # a cold Triton cache compiles the kernel here: part of the engine's start-up time
+        self.kernel_check_seconds[kind] = time.perf_counter() - t0
         if err is None:
             return fn
         self.kernel_errors[kind] = err
