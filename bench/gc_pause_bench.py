@@ -4,7 +4,7 @@
 
 A full collection walks every live Python object; a warm engine's process holds torch,
 transformers, the model and its compiled code, so each walk stalls the decode loop (the GPU idles).
-``HFEngine`` freezes the heap after its first call (``rlkube.runtime.rollout.hf.freeze_warm_heap``);
+``HFEngine`` freezes the heap after its first call (``rlkube.runtime.heap.freeze_warm_heap``);
 this times a full collection in such a process before and after that, with the object counts. It
 uses a tiny random model on the CPU, compiled as on a GPU: the walk's cost is the host's, whatever
 the device.

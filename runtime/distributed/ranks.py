@@ -140,10 +140,15 @@ class TrainerRank:
     """A trainer rank in its own Ray actor: joins the trainer world, holds a Learner, and (rank 0)
     runs the job. Plain class: ``ray.remote`` wraps it in the runtime, tests may use it directly."""
 
-    def __init__(self, rank: int, world_size: int, device: str | None = None) -> None:
+    def __init__(
+        self, rank: int, world_size: int, device: str | None = None, freeze_heap: bool = False
+    ) -> None:
         self.rank, self.world_size = rank, world_size
         self.device = device
         self.learner: Any = None
+        # freeze the process's warm heap after the first update (``rlkube.runtime.heap``): the
+        # rank's own process (a Ray actor) asks for it, a rank built inside another process not
+        self._freeze_heap_pending = freeze_heap
 
     def pid(self) -> int:
         return os.getpid()
@@ -178,4 +183,10 @@ class TrainerRank:
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         if method not in LEARNER_CALLS:
             raise AttributeError(f"{method!r} is not a learner call")
-        return getattr(self.learner, method)(*args, **kwargs)
+        out = getattr(self.learner, method)(*args, **kwargs)
+        if method == "update" and self._freeze_heap_pending:
+            from rlkube.runtime.heap import freeze_warm_heap
+
+            self._freeze_heap_pending = False
+            freeze_warm_heap()  # for the process's life: it ends with the actor
+        return out

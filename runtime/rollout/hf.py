@@ -15,7 +15,6 @@ remaining budget.
 
 from __future__ import annotations
 
-import gc
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, MutableMapping, Sequence
@@ -26,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from rlkube.runtime.heap import freeze_warm_heap, thaw_heap
 from rlkube.runtime.rollout.base import (
     Completion,
     EngineCapabilities,
@@ -51,35 +51,6 @@ from rlkube.runtime.rollout.registry import model_config_overrides, spec_dtype
 if TYPE_CHECKING:
     from rlkube.api import RLJobSpec
     from rlkube.runtime.weights.direct import DirectCopyStats
-
-
-_heap_frozen = False  # by an engine still open: see ``freeze_warm_heap``
-
-
-def freeze_warm_heap() -> bool:
-    """Collect once, then move every live object into the collector's permanent generation.
-
-    A warm engine's process holds ~0.5M Python objects (torch, transformers, compiled code, graphs)
-    that live as long as it does, and each full collection walks all of them: ~0.25 s on a 2-core
-    CPU, a pause of the loop that leaves the GPU idle (~0.28 s per 1.5B ``rl`` rollout on an H100,
-    docs/benchmarks.md stop 32). Frozen, they are skipped. One engine at a time freezes (returns
-    whether this call did); ``thaw_heap`` at its shutdown gives the collector back what it froze,
-    so a process that builds and drops engines does not keep their reference cycles forever.
-    """
-    global _heap_frozen
-    if _heap_frozen:
-        return False
-    _heap_frozen = True
-    gc.collect()
-    gc.freeze()
-    return True
-
-
-def thaw_heap() -> None:
-    """Undo ``freeze_warm_heap`` (the frozen objects go back to the oldest generation)."""
-    global _heap_frozen
-    gc.unfreeze()
-    _heap_frozen = False
 
 
 @dataclass

@@ -337,6 +337,9 @@ class StaticDecoder:
                     self.B, self.n_kv, self.group, self.head_dim, self.S, self.device
                 ),
                 rows=rows, n_kv=self.n_kv, group=self.group, d=self.head_dim, seq=min(self.S, 700),
+                # the step always passes the shared-prompt rows (a row that shares nothing reads its
+                # own), so the variant without them, never launched here, is not compiled to check it
+                share_modes=(True,),
             )  # fmt: skip
             self._sampler = self._checked_kernel(
                 "sample",

@@ -712,7 +712,7 @@ def self_check(kind: str, fn: Any, device: torch.device, **shape: Any) -> str | 
             want = rope_attention_ref(qkv, cos, ssin, pos, wk, wv, n_heads).float()
             tol = 2e-2 if dtype != torch.float32 else 1e-4
             for split in (None, 64, fn.max_seq):  # this row count's split, the smallest, one split
-                for shared in (False, True):
+                for shared in shape.get("share_modes", (False, True)):
                     gk, gv = kc.clone(), vc.clone()
                     hidden = [
                         int(pos[r]) // fn.block_n * fn.block_n if shared and r else 0 for r in range(rows)

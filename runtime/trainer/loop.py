@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
+from rlkube.runtime.heap import freeze_warm_heap, thaw_heap
 from rlkube.runtime.metrics import (
     JsonlSink,
     MetricsLogger,
@@ -115,8 +116,15 @@ def run_loop(
     checkpoint_dir: str | Path | None = None,
     tensorboard: bool = True,
     pusher: StatusPusher | None = None,
+    freeze_heap: bool = False,
 ) -> RunResult:
-    """Run to ``training.totalSteps`` (or ``max_steps`` more steps), resuming from the last checkpoint."""
+    """Run to ``training.totalSteps`` (or ``max_steps`` more steps), resuming from the last checkpoint.
+
+    ``freeze_heap``: after the first step (models, optimiser state and compiled code all built),
+    move the process's live objects out of the garbage collector's walks (``rlkube.runtime.heap``),
+    and give them back when the loop ends. A trainer rank's process asks for it; a process whose
+    engine freezes already (one process, no Ray) need not.
+    """
     spec = trainer.spec
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
@@ -157,6 +165,7 @@ def run_loop(
     eval_every = spec.training.eval_interval_steps
     last_ckpt = resumed_from
     steps_run = 0
+    froze = False
     try:
         if trainer.step == 0 and eval_every and trainer.val_records and resumed_from is None:
             m0 = driver.evaluate()
@@ -190,7 +199,11 @@ def run_loop(
             pusher.push(
                 progress_from_metrics(trainer.step, total, clean, last_ckpt), force=trainer.step == total
             )
+            if freeze_heap and steps_run == 1:
+                froze = freeze_warm_heap()
     finally:
+        if froze:
+            thaw_heap()
         logger.close()
         driver.close()
     curve = None

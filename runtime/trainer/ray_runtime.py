@@ -80,7 +80,7 @@ class RankActor(TrainerRank, _Watched):
     def __init__(self, rank: int, world_size: int, device: str | None = None) -> None:
         _scrub_sys_path()
         _threads()
-        super().__init__(rank, world_size, device)
+        super().__init__(rank, world_size, device, freeze_heap=True)
 
     def run(
         self,
@@ -110,6 +110,7 @@ class RankActor(TrainerRank, _Watched):
             max_steps=max_steps,
             checkpoint_dir=checkpoint_dir(job, out),
             num_gpus=total_gpus(job.spec) if trainer.actor.device.type != "cpu" else 0,
+            freeze_heap=True,  # this actor's process is the rank's own
         )
         return {
             "output_dir": str(res.output_dir),

@@ -412,9 +412,9 @@ def test_the_engine_freezes_the_warm_heap_once_before_its_first_call_returns(
     and gives them back at shutdown (so a dropped engine's reference cycles can be freed)."""
     import gc
 
-    from rlkube.runtime.rollout import hf
+    from rlkube.runtime import heap
 
-    monkeypatch.setattr(hf, "_heap_frozen", False)
+    monkeypatch.setattr(heap, "_frozen", False)
     freezes = []
     real_freeze = gc.freeze
     monkeypatch.setattr(gc, "freeze", lambda: (freezes.append(1), real_freeze()))
