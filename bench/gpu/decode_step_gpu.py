@@ -258,7 +258,10 @@ SAMPLER_VARIANTS: dict[str, dict[str, Any]] = {
     "chunk8k": {"chunk": 8192},
     "chunk16k": {"chunk": 16384},
     "chunk32k": {"chunk": 32768},
+    "block1k": {"block": 1024},  # the default until stop 33 (on 4 warps)
     "block2k": {"block": 2048},
+    # 16 entries per thread (stop 33: slower at 512 rows, 1,024-entry blocks 258.7 us, 2,048 292.6)
+    "block1k-warps2": {"block": 1024, "warps": 2},
 }
 
 
@@ -649,6 +652,15 @@ def bench_linear(
     return out
 
 
+def print_sampler(report: dict[str, Any]) -> None:
+    for r in report["sampler"]:
+        print(
+            f"sampler {r['sampler']:<7} {r['variant']:<16} rows {r['rows']:>4}: {r['us']:8.1f} us, "
+            f"{100 * r['fraction_of_read_bound']:5.1f}% of the logits' read bound"
+            + ("" if r["same_tokens_as_first_variant"] else "  DIFFERENT TOKENS")
+        )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     ap.add_argument("--sizes", default="0.5b,1.5b")
@@ -672,6 +684,7 @@ def main(argv: list[str] | None = None) -> int:
         help="small-batch linear variants to time alone per layer (names of LINEAR_VARIANTS, or 'all')",
     )  # fmt: skip
     ap.add_argument("--linear-rows", default="64,8", help="rows of the --linear timings")
+    ap.add_argument("--sampler-only", action="store_true", help="the sampling kernel's variants, then stop")
     ap.add_argument(
         "--smoke", action="store_true", help="tiny shapes on the CPU (run with TRITON_INTERPRET=1)"
     )
@@ -702,6 +715,10 @@ def main(argv: list[str] | None = None) -> int:
             rows, vocab, dev, ceil["read_bandwidth_gbs"] * 1e9, args.repeats, calls=1 if args.smoke else 20
         )
     ]
+    if args.sampler_only:
+        save()
+        print_sampler(report)
+        return 0
     if args.attention:
         names = list(ATTENTION_VARIANTS) if args.attention == "all" else args.attention.split(",")
         report["attention"] = []
@@ -750,12 +767,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['step_ms']:7.3f} ms {100 * r['fraction_of_bound']:5.1f}% of bound  "
                 f"x{r['speedup_vs_first']:.2f}  split {r['split']}  first step {r['first_step_s']:.1f} s"
             )
-    for r in report["sampler"]:
-        print(
-            f"sampler {r['sampler']:<7} {r['variant']:<16} rows {r['rows']:>4}: {r['us']:8.1f} us, "
-            f"{100 * r['fraction_of_read_bound']:5.1f}% of the logits' read bound"
-            + ("" if r["same_tokens_as_first_variant"] else "  DIFFERENT TOKENS")
-        )
+    print_sampler(report)
     for r in report.get("attention", []):
         if "error" in r:
             print(f"attention {r['attention']:<10} {r['variant']:<12} {r['error'][:200]}")

@@ -97,12 +97,25 @@ def test_decode_step_bench_times_each_attention_split_and_sampler_setting_with_t
     # a 128-position cache is short enough for one program per row and KV head by default
     assert [by_config[c]["split"] for c in configs] == [128, 128, 128, 256, 128, 128, 128, 128]
     assert all(0 < r["fraction_of_bound"] < 1 and r["step_ms"] > 0 for r in report["results"])
-    variants = ["default", "no-screen", "chunk4k", "chunk8k", "chunk16k", "chunk32k", "block2k"]
+    variants = [
+        *("default", "no-screen", "chunk4k", "chunk8k", "chunk16k", "chunk32k"),
+        *("block1k", "block2k", "block1k-warps2"),
+    ]
     assert [(r["sampler"], r["variant"]) for r in report["sampler"]] == [
         (shape, v) for shape in ("normal", "zipf1", "zipf2") for v in variants
     ]
     assert all(r["same_tokens_as_first_variant"] for r in report["sampler"])
-    assert [r["chunk"] for r in report["sampler"][:7]] == [8192, 8192, 4096, 8192, 16384, 32768, 8192]
+    assert [r["chunk"] for r in report["sampler"][:9]] == [
+        8192,
+        8192,
+        4096,
+        8192,
+        16384,
+        32768,
+        8192,
+        8192,
+        8192,
+    ]
     assert report["capture_failure"] == {"ran": False, "why": "needs a CUDA or ROCm device"}
     assert all(r["us"] > 0 and 0 < r["fraction_of_read_bound"] < 1 for r in report["sampler"])
 
