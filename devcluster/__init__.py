@@ -1,7 +1,7 @@
 """A real local Kubernetes control plane with fake AMD GPU nodes (see docs/devcluster.md)."""
 
 from .binaries import Binaries, find_binaries, module_version
-from .cluster import ClusterConfig, DevCluster, default_state_dir, listening_ports
+from .cluster import ClusterConfig, DevCluster, default_state_dir, listening_ports, listening_sockets
 from .errors import DevClusterError
 from .nodes import GPU_RESOURCE, MI300X, MI355X, GpuProfile
 
@@ -17,5 +17,6 @@ __all__ = [
     "default_state_dir",
     "find_binaries",
     "listening_ports",
+    "listening_sockets",
     "module_version",
 ]

@@ -170,10 +170,14 @@ def _pid_runs(pid: int, binary: str) -> bool:
     return argv0 == binary
 
 
-def listening_ports(ports: list[int]) -> list[int]:
-    """Which of `ports` have a listening TCP socket on this machine (read from /proc/net/tcp*)."""
+def listening_sockets(ports: list[int]) -> set[tuple[int, int]]:
+    """(port, socket inode) of every listening TCP socket on one of `ports` (from /proc/net/tcp*).
+
+    The inode names one socket: a port that a stopped process released and another process bound
+    again (ports come from the ephemeral range, where any `bind(0)` may land) has a new inode.
+    """
     wanted = set(ports)
-    found: set[int] = set()
+    found: set[tuple[int, int]] = set()
     for table in ("/proc/net/tcp", "/proc/net/tcp6"):
         try:
             with open(table) as f:
@@ -183,10 +187,29 @@ def listening_ports(ports: list[int]) -> list[int]:
                     if cols[3] == "0A":  # TCP_LISTEN
                         port = int(cols[1].rsplit(":", 1)[1], 16)
                         if port in wanted:
-                            found.add(port)
+                            found.add((port, int(cols[9])))
         except OSError:
             continue
-    return sorted(found)
+    return found
+
+
+def listening_ports(ports: list[int]) -> list[int]:
+    """Which of `ports` have a listening TCP socket on this machine, whoever holds it."""
+    return sorted({port for port, _ in listening_sockets(ports)})
+
+
+def _sockets_of(pid: int) -> set[int] | None:
+    """Inodes of the sockets process `pid` holds open; None where its fds cannot be read."""
+    inodes: set[int] = set()
+    try:
+        for fd in os.scandir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                target = os.readlink(fd.path)
+                if target.startswith("socket:["):
+                    inodes.add(int(target[8:-1]))
+    except OSError:
+        return None
+    return inodes
 
 
 def _http_ok(url: str, timeout: float = 2.0, token: str | None = None) -> bool:
@@ -854,6 +877,7 @@ class DevCluster:
         # processes died (a killed session) and a later `up` took the free node over.
         holder = holder_state_dir() if node_state.get("enabled") else None
         node_ours = bool(node_state.get("enabled")) and holder in (None, self.state_dir)
+        held = self._held_sockets(comps)
         if node_ours:
             # The kubelet first (it would restart containers), then every container while
             # containerd still runs, then the processes, then what the node left on the host.
@@ -862,19 +886,33 @@ class DevCluster:
         stopped = self._terminate(comps)
         if node_ours:
             RealNode.teardown(node_state.get("sysctls") or {})
-        # Only the ports of processes that were alive: a dead cluster's ports may be another's now.
-        ports = [p for c in comps if c.name in stopped for p in c.ports]
         # A process counts as stopped once its main thread is a zombie, but its other threads can
         # still hold its sockets while the kernel tears it down: seconds for the API server on a
-        # loaded 2-core machine (one CI run timed out at 5 s here). A port still open after 30 s
-        # is a process that did not stop.
+        # loaded 2-core machine (one CI run timed out at 5 s here). A socket of ours still open
+        # after 30 s is a process that did not stop. The port alone says nothing: once released,
+        # any other process's `bind(0)` may take it (Ray's, in one CI run).
         deadline = time.monotonic() + 30
-        while (still := listening_ports(ports)) and time.monotonic() < deadline:
+        while (still := held & listening_sockets([port for port, _ in held])) and time.monotonic() < deadline:
             time.sleep(0.1)
         if still:
-            raise DevClusterError(f"ports {still} still listen after stopping {self.state_dir}")
+            ports = sorted({port for port, _ in still})
+            raise DevClusterError(f"ports {ports} still listen after stopping {self.state_dir}")
         self._wipe(keep_logs=True)
         return stopped
+
+    @staticmethod
+    def _held_sockets(comps: list[Component]) -> set[tuple[int, int]]:
+        """The listening sockets on the recorded ports that the live components hold themselves.
+
+        Only processes that still run: a dead cluster's ports may be another's now."""
+        held: set[tuple[int, int]] = set()
+        for comp in comps:
+            if not _pid_runs(comp.pid, comp.binary):
+                continue
+            listening = listening_sockets(comp.ports)
+            own = _sockets_of(comp.pid)
+            held |= listening if own is None else {(port, ino) for port, ino in listening if ino in own}
+        return held
 
     def _stop_started(self) -> None:
         """Best-effort cleanup after a failed start (keeps the logs for the error message)."""

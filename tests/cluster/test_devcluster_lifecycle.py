@@ -5,6 +5,7 @@ log instead of hanging."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from rlkube.devcluster import ClusterConfig, DevCluster, DevClusterError, listening_ports
+from rlkube.devcluster import ClusterConfig, DevCluster, DevClusterError, listening_ports, listening_sockets
 from rlkube.devcluster.testing import TEST_KUBECONFIG_ENV, Kubectl, open_test_cluster
 
 CLI = [sys.executable, "-P", "-m", "rlkube.devcluster.cli"]
@@ -46,6 +47,8 @@ def test_cli_down_stops_every_process_and_closes_every_port(
         ]
         assert all(_alive(p) for p in pids)
         assert state["ports"]["apiserver"] in listening_ports(ports)
+        # The cluster's own sockets: once released, a port may be bound again by anyone.
+        sockets = listening_sockets(ports)
 
         # A test session reuses a healthy cluster someone started and leaves it running.
         other = DevCluster(state_dir)
@@ -88,7 +91,7 @@ def test_cli_down_stops_every_process_and_closes_every_port(
     finally:
         cluster.down()  # no-op when the CLI already stopped it; cleans up if an assert failed
     assert [p for p in pids if _alive(p)] == []
-    assert listening_ports(ports) == []
+    assert listening_sockets(ports) & sockets == set()
     assert not (state_dir / "state.json").exists()
     assert not (state_dir / "kubeconfig").exists()
     assert (state_dir / "logs" / "kube-apiserver.log").exists(), "logs are kept for post-mortems"
@@ -149,3 +152,35 @@ def test_cli_up_with_no_nodes_and_no_kuberay_starts_a_bare_control_plane(tmp_pat
     finally:
         subprocess.run([*argv, "down"], capture_output=True, env=env, timeout=120)
     assert not (state_dir / "state.json").exists()
+
+
+def test_down_succeeds_when_another_process_binds_a_port_the_cluster_released(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ports come from the ephemeral range: once the API server lets go of its port, any
+    `bind(0)` on the machine may take it (a Ray worker did, during one CI run). `down` waits for the
+    cluster's own sockets to close, so a stranger's socket on the same port is not a failure, and it
+    is left alone. The race is injected: the stranger binds right after the processes stop."""
+    bare = ClusterConfig(gpu_nodes=0, cpu_nodes=0, kuberay=False, real_node="off", timeout_s=120)
+    cluster = DevCluster(tmp_path / "dc", bare)
+    state = cluster.up()
+    port = state["ports"]["apiserver"]
+    stranger = socket.socket()
+    real_terminate = DevCluster._terminate
+
+    def terminate_then_rebind(self: DevCluster, comps: list, grace_s: float = 8.0) -> list[str]:
+        stopped = real_terminate(self, comps, grace_s)
+        stranger.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        stranger.bind(("127.0.0.1", port))
+        stranger.listen()
+        return stopped
+
+    monkeypatch.setattr(DevCluster, "_terminate", terminate_then_rebind)
+    try:
+        start = time.monotonic()
+        assert "kube-apiserver" in cluster.down()
+        assert time.monotonic() - start < 25, "down waited for a socket that is not the cluster's"
+        assert listening_ports([port]) == [port], "the stranger's socket stays open"
+        assert not (tmp_path / "dc" / "state.json").exists()
+    finally:
+        stranger.close()
