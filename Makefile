@@ -44,7 +44,7 @@ crds: venv
 lint: venv
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy api runtime operator devcluster
+	$(VENV)/bin/mypy api runtime operator devcluster bench
 
 test: venv cluster-build lint
 	PYTEST=$(PYTEST) bash tests/run.sh

@@ -88,7 +88,7 @@ def param_groups(cfg: dict[str, Any], by_layer: bool) -> list[list[tuple[str, tu
                 (p + "post_attention_layernorm.weight", (h,)),
             ]
         )
-    last = [("model.norm.weight", (h,))]
+    last: list[tuple[str, tuple[int, ...]]] = [("model.norm.weight", (h,))]
     if not cfg["tied"]:
         last.append(("lm_head.weight", (cfg["vocab"], h)))
     groups.append(last)

@@ -279,7 +279,7 @@ def _timed_calls(fn: Any, dev: torch.device, calls: int, repeats: int) -> list[f
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             run()
-        run = graph.replay  # type: ignore[assignment]
+        run = graph.replay
     times = []
     for _ in range(repeats):
         common.sync(dev)

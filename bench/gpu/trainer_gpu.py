@@ -341,7 +341,7 @@ def head_bench(size: str, device: torch.device, tokens: int, repeats: int = 5) -
 
     def chunked() -> None:
         lp, ent = chunked_logprobs(hidden, weight, targets, with_entropy=True)
-        (lp.sum() + 0.0 * ent.sum()).backward()  # type: ignore[union-attr]
+        (lp.sum() + 0.0 * ent.sum()).backward()
 
     out: dict[str, Any] = {"tokens": tokens, "vocab": cfg.vocab_size, "hidden": cfg.hidden_size}
     for name, fn in (("full_logits", full), ("fused", fused), ("chunked", chunked)):
@@ -579,16 +579,17 @@ def main() -> int:
         if device.type == "cuda":
             torch.cuda.empty_cache()
     print(json.dumps(out, indent=2))
-    for e in out["results"]:
+    for res in out["results"]:
         for job in args.jobs.split(","):
-            r = e.get(job, {})
+            r = res.get(job, {})
             if "error" in r:
-                print(f"{e['size']} {job}: {r['error']}")
+                print(f"{res['size']} {job}: {r['error']}")
                 continue
             m = r["mean_after_warmup"]
             frac = 100 * r["rollout_fraction_of_bound"]
             print(
-                f"{e['size']:>5} {job:>5}: step {r['step_s_median']:.2f} s, first {r['first_step_s']:.1f} s, "
+                f"{res['size']:>5} {job:>5}: step {r['step_s_median']:.2f} s, "
+                f"first {r['first_step_s']:.1f} s, "
                 f"rollout {m['rollout_tokens_per_s']:.0f} tok/s = {frac:.1f}% of bound, "
                 f"update MFU {100 * r['mfu_update']:.1f}%, padding {100 * m['padding_fraction']:.0f}%, "
                 f"peak {r['peak_memory_gib'] or 0:.1f} GiB"
@@ -596,10 +597,10 @@ def main() -> int:
             up = r["update_paths"]
             if "group_over_direct" in up:
                 print(
-                    f"{e['size']:>5} {job:>5}: update via rank group {up['update_group_s']:.3f} s, "
+                    f"{res['size']:>5} {job:>5}: update via rank group {up['update_group_s']:.3f} s, "
                     f"direct {up['update_direct_s']:.3f} s ({up['group_over_direct']:.3f}x)"
                 )
-        hb = e.get("lm_head_logprob", {})
+        hb = res.get("lm_head_logprob", {})
         if "speedup" in hb:
             f, c = hb["full_logits"], hb["chunked"]
             ff = f"{1e3 * f['seconds_median']:.1f} ms +{f['peak_extra_gib']:.1f} GiB"
@@ -607,12 +608,12 @@ def main() -> int:
             u = hb["fused"]
             uu = f"{1e3 * u['seconds_median']:.1f} ms +{u['peak_extra_gib']:.1f} GiB"
             print(
-                f"{e['size']:>5}  LM-head logprob fwd+bwd, {hb['tokens']} tokens: full {ff}, "
+                f"{res['size']:>5}  LM-head logprob fwd+bwd, {hb['tokens']} tokens: full {ff}, "
                 f"fused {uu}, chunked {cc}"
             )
-        if "speedup_vs_trl_median" in e:
-            rng = e["trl_step_s_range"]
-            print(f"{e['size']:>5}  vs TRL: {e['speedup_vs_trl_median']:.2f}x (TRL steps {rng} s)")
+        if "speedup_vs_trl_median" in res:
+            rng = res["trl_step_s_range"]
+            print(f"{res['size']:>5}  vs TRL: {res['speedup_vs_trl_median']:.2f}x (TRL steps {rng} s)")
     return 0 if ok else 1
 
 
