@@ -287,6 +287,9 @@ class Reconciler:
             raise
         # Keep our copy current so a burst of events does not re-patch before the watch echoes it.
         rljob["status"] = {**current, **new}
+        # The gauges follow the status just written, not the Events below (each an API call that
+        # a loaded API server answers slowly): a scrape after the status shows its phase.
+        self._observe_metrics(key, rljob, state, derived.phase, current.get("phase"))
         involved = {"apiVersion": rljob["apiVersion"], "kind": rljob["kind"], "metadata": rljob["metadata"]}
         stamp = now_rfc3339()
         for tr in transitions(current if current.get("conditions") else None, derived):
@@ -296,7 +299,6 @@ class Reconciler:
                 )
             except KubeError as exc:  # an Event is best-effort; the status already says it
                 log.warning("cannot post event on %s/%s: %s", *key, exc)
-        self._observe_metrics(key, rljob, state, derived.phase, current.get("phase"))
         metrics.RECONCILE_DURATION.labels("status").observe(time.perf_counter() - t0)
 
     def _extra_status(

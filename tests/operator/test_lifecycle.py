@@ -569,7 +569,14 @@ def test_metrics_liveness_and_json_logs(
         "rlkube_api_requests_total",
     ):
         assert name in text, name
-    assert operator.metric("rlkube_rljobs", phase="Provisioning") == 1
+    # The gauges follow the operator's status write; the test can see that status a moment before
+    # the operator's own coroutine runs again (a loaded machine), so it waits for the scrape.
+    wait_for(
+        lambda: operator.metric("rlkube_rljobs", phase="Provisioning") == 1,
+        30,
+        operator.metrics,
+        what="rlkube_rljobs{phase=Provisioning} = 1",
+    )
     assert operator.metric("rlkube_rljob_info", name="obs", algorithm="grpo", mode="colocate_async") == 1
     assert operator.metric("rlkube_api_requests_total", verb="PATCH", resource="rayjobs") >= 1
     with urllib.request.urlopen(f"http://127.0.0.1:{operator.liveness_port}/healthz", timeout=5) as r:
