@@ -905,13 +905,12 @@ class DevCluster:
         """The listening sockets on the recorded ports that the live components hold themselves.
 
         Only processes that still run: a dead cluster's ports may be another's now."""
+        live = [c for c in comps if _pid_runs(c.pid, c.binary)]
+        listening = listening_sockets([p for c in live for p in c.ports])  # one read of the tables
         held: set[tuple[int, int]] = set()
-        for comp in comps:
-            if not _pid_runs(comp.pid, comp.binary):
-                continue
-            listening = listening_sockets(comp.ports)
+        for comp in live:
             own = _sockets_of(comp.pid)
-            held |= listening if own is None else {(port, ino) for port, ino in listening if ino in own}
+            held |= {(p, ino) for p, ino in listening if p in comp.ports and (own is None or ino in own)}
         return held
 
     def _stop_started(self) -> None:
