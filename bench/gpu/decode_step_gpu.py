@@ -45,6 +45,7 @@ import torch  # noqa: E402
 
 from rlkube.runtime.models.roofline import decode_step_bytes, decode_step_flops, model_cost  # noqa: E402
 from rlkube.runtime.models.tiny import make_qwen2_like, tiny_qwen2_config  # noqa: E402
+from rlkube.runtime.rollout.decode_linear import gated_launch  # noqa: E402
 from rlkube.runtime.rollout.hf_decode import (  # noqa: E402
     DOWN_SPLIT_K,
     LINEAR_MAX_ROWS_DEFAULT,
@@ -96,6 +97,11 @@ CONFIGS: dict[str, dict[str, Any]] = {
     "down-k2-sep": {"down_split_k": 2, "down_split_fold": False},
     "down-k4-sep": {"down_split_k": 4, "down_split_fold": False},
     "down-off": {"down_split_k": 0},
+    # gate/up + SiLU as one Triton GEMM with the SiLU in its epilogue, after the compiled norm
+    # (hf_decode's gated_min_rows; decode_linear.gated_launch, or a LINEAR_VARIANTS launch)
+    "gated": {"gated": {}},
+    "gated-t64x128": {"gated": {"bm": 64, "bn": 128, "bk": 64, "num_warps": 4, "num_stages": 4}},
+    "gated-t128x64": {"gated": {"bm": 128, "bn": 64, "bk": 64, "num_warps": 4, "num_stages": 4}},
 }
 DEFAULT_BLAS = torch.backends.cuda.preferred_blas_library()
 GROUP = 8
@@ -161,6 +167,11 @@ def configure(
         )
         dec._linear.launch = linear_launch(lin if isinstance(lin, dict) else {}, dec._linear.n_sm)
         dec.reserve_linear()
+    if dec._gated is not None:
+        gated = cfg.get("gated")
+        dec.gated_min_rows = 1 if isinstance(gated, dict) else 0
+        dec._gated.launch = {**gated_launch(dec._gated.hip), **(gated or {})}
+        dec.reserve_linear()
     if "down_split_k" in cfg:
         k = cfg["down_split_k"]
         dec.down_split_min_rows, dec.down_split_k = (1, k) if k else (0, DOWN_SPLIT_K)
@@ -217,6 +228,7 @@ def bench(
     dec = StaticDecoder(
         model, num_slots=rows, max_seq_len=context + args.steps + 8, max_new_tokens=args.steps + 4,
         compile_step=compile_step, kernels_setting=True, use_cuda_graphs=None, linear_max_rows=rows,
+        gated_min_rows=1 if any("gated" in CONFIGS[c] for c in args.configs.split(",")) else 0,
     )  # fmt: skip
     default_split, default_mlp_in = dec._attention.split_for, dec._mlp_in_fn
     default_tail = (dec._seeds_fn, dec._final_norm_fn)
@@ -236,6 +248,7 @@ def bench(
         res.append({
             "size": "tiny" if args.smoke else size, "rows": rows, "context": context,
             "linear": dec.kernels_used["linear"] if rows <= dec.linear_max_rows else "torch",
+            "gated": dec.kernels_used["gated"] if 0 < dec.gated_min_rows <= rows else "torch",
             "compile": compile_step, "compiled": dec.compiled, "config": name,
             "step_ms": 1e3 * t, "first_step_s": first_s, "bound_ms": 1e3 * bound_s,
             "cuda_graphs": dec.use_graphs, "graph_error": (dec.graph_error or "")[-1500:] or None,
@@ -496,6 +509,17 @@ def _torch_variant(kind: str) -> Any:
         from rlkube.runtime.rollout import hf_decode
 
         wt = w_t if kind == "wt" else w.t()
+        if kind == "gemm-only":  # the gate/up GEMM without its SiLU: what fusing the SiLU can reach
+            if layer != "gated":
+                raise ValueError("gemm-only is the floor of the gated layer")
+            return lambda: F.linear(h, w)
+        if layer == "gated":
+            if kind == "wt":
+                return lambda: silu(torch.mm(h, wt))
+            if kind == "autotune":
+                gemm = torch.compile(F.linear, mode="max-autotune-no-cudagraphs")
+                return lambda: silu(gemm(h, w))
+            raise ValueError(f"{kind} is not a formulation of the gated layer")
         if kind == "autotune":
             mode = "max-autotune-no-cudagraphs"
             if layer == "q/k/v":
@@ -529,8 +553,12 @@ def _torch_variant(kind: str) -> Any:
 
 
 TORCH_VARIANTS: dict[str, Any] = {
-    k: _torch_variant(k) for k in ("wt", "mm-add", "split2", "bmm2", "bmm4", "bmm5", "bmm8", "autotune")
+    k: _torch_variant(k)
+    for k in ("wt", "mm-add", "split2", "bmm2", "bmm4", "bmm5", "bmm8", "autotune", "gemm-only")
 }
+
+# the layers --linear times: the step's four, and "gated" (gate/up + SiLU after a separate norm)
+LINEAR_LAYERS = ("q/k/v", "o", "gate/up", "down", "gated")
 
 # the small-batch linear kernel's launch settings timed alone, per layer (TritonSmallLinear.launch)
 LINEAR_VARIANTS: dict[str, dict[str, Any]] = {
@@ -551,6 +579,10 @@ LINEAR_VARIANTS: dict[str, dict[str, Any]] = {
     "t128": {"bm": 128, "bn": 128, "bk": 64, "num_warps": 8, "num_stages": 3},
     "t128s4": {"bm": 128, "bn": 128, "bk": 64, "num_warps": 8, "num_stages": 4},
     "t64x128": {"bm": 64, "bn": 128, "bk": 64, "num_warps": 4, "num_stages": 4},
+    "t128x64": {"bm": 128, "bn": 64, "bk": 64, "num_warps": 4, "num_stages": 4},
+    "t128x64w8": {"bm": 128, "bn": 64, "bk": 64, "num_warps": 8, "num_stages": 3},
+    "t128k32": {"bm": 128, "bn": 128, "bk": 32, "num_warps": 8, "num_stages": 5},
+    "t64x256": {"bm": 64, "bn": 256, "bk": 64, "num_warps": 8, "num_stages": 3},
 }
 
 
@@ -563,11 +595,14 @@ def bench_linear(
     names: list[str],
     calls: int = 20,
     gemm_fps: float = 0.0,
+    layer_names: tuple[str, ...] = LINEAR_LAYERS,
 ) -> list[dict[str, Any]]:
     """Each linear layer of a decode step alone at ``rows`` rows: the step's cuBLAS path (the
     compiled norm + GEMM, Triton's SiLU, the residual GEMM) against the fused kernel in each of
     LINEAR_VARIANTS and the other cuBLAS formulations in TORCH_VARIANTS, as microseconds per call
     and against reading the weights and activations and against the GEMM rate of this run."""
+    import torch.nn.functional as F
+
     from rlkube.runtime.models.tiny import qwen2_like_config
     from rlkube.runtime.rollout import decode_linear, hf_decode, kernels
 
@@ -584,6 +619,7 @@ def bench_linear(
 
     x, att, hid = rand(rows, h), rand(rows, n_att), rand(rows, inter)
     res0, norm = rand(rows, h), rand(h, scale=0.1) + 1
+    xn = F.rms_norm(x, (h,), norm, 1e-6)
     res = res0.clone()  # the residual stream o and down add into (in place)
     w_qkv, b_qkv, w_o = rand(n_qkv, h, scale=0.02), rand(n_qkv), rand(h, n_att, scale=0.02)
     w_gu, w_down = rand(2 * inter, h, scale=0.02), rand(h, inter, scale=0.02)
@@ -603,10 +639,16 @@ def bench_linear(
          lambda lin: lin(x, w_gu, norm=norm, eps=1e-6, gated=True), (w_gu.numel() + rows * (h + inter)) * el),
         ("down", lambda: hf_decode.residual_linear_(res, hid, w_down, None),
          lambda lin: lin(hid, w_down, out=res), (w_down.numel() + rows * (inter + 2 * h)) * el),
+        # gate/up from an input already normed (the norm left to its own compiled kernel): cuBLAS
+        # then Triton's SiLU against the kernel's GEMM with SiLU in its epilogue
+        ("gated", lambda: silu(F.linear(xn, w_gu)),
+         lambda lin: lin(xn, w_gu, gated=True), (w_gu.numel() + rows * (h + inter)) * el),
     ]  # fmt: skip
+    layers = [entry for entry in layers if entry[0] in layer_names]
     shapes = decode_linear.decode_layer_shapes(h, inter, n_att, n_qkv)
-    weights = {"q/k/v": w_qkv, "o": w_o, "gate/up": w_gu, "down": w_down}
-    inputs = {"q/k/v": x, "o": att, "gate/up": x, "down": hid}
+    shapes["gated"] = shapes["gate/up"]
+    weights = {"q/k/v": w_qkv, "o": w_o, "gate/up": w_gu, "down": w_down, "gated": w_gu}
+    inputs = {"q/k/v": x, "o": att, "gate/up": x, "down": hid, "gated": xn}
     out: list[dict[str, Any]] = []
     for layer, unfused, fused, needed in layers:
         entries: list[tuple[str, Any]] = [("cublas", unfused)]
@@ -646,7 +688,9 @@ def bench_linear(
                 "first_call_s": first_s,
                 "fraction_of_read_bound": needed / read_bps / t, "speedup_vs_cublas": base / t,
                 "fraction_of_gemm_rate": 2 * rows * weights[layer].numel() / gemm_fps / t if gemm_fps else 0,
-                "max_rel_diff_vs_cublas": float((got - want).abs().max() / want.abs().max()),
+                "max_rel_diff_vs_cublas": (  # none for a variant of another shape (gemm-only)
+                    float((got - want).abs().max() / want.abs().max()) if got.shape == want.shape else None
+                ),
             })  # fmt: skip
             print(json.dumps(out[-1]), flush=True)
     return out
@@ -684,6 +728,7 @@ def main(argv: list[str] | None = None) -> int:
         help="small-batch linear variants to time alone per layer (names of LINEAR_VARIANTS, or 'all')",
     )  # fmt: skip
     ap.add_argument("--linear-rows", default="64,8", help="rows of the --linear timings")
+    ap.add_argument("--linear-layers", default=",".join(LINEAR_LAYERS), help="layers of the --linear timings")
     ap.add_argument("--sampler-only", action="store_true", help="the sampling kernel's variants, then stop")
     ap.add_argument(
         "--smoke", action="store_true", help="tiny shapes on the CPU (run with TRITON_INTERPRET=1)"
@@ -737,6 +782,7 @@ def main(argv: list[str] | None = None) -> int:
                 report["linear"] += bench_linear(
                     size, rows, dev, ceil["read_bandwidth_gbs"] * 1e9, args.repeats, names,
                     calls=1 if args.smoke else 20, gemm_fps=ceil["gemm_tflops"] * 1e12,
+                    layer_names=tuple(args.linear_layers.split(",")),
                 )  # fmt: skip
                 save()
     report["capture_failure"] = (
@@ -787,7 +833,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"linear {r['size']:>4} rows {r['rows']:>3} {r['linear']:<8} {r['variant']:<8}: "
                 f"{r['us']:7.1f} us, {100 * r['fraction_of_read_bound']:5.1f}% of its read bound, "
                 + f"{100 * r['fraction_of_gemm_rate']:5.1f}% of GEMM rate, "
-                + f"x{r['speedup_vs_cublas']:.2f} vs cuBLAS (max diff {r['max_rel_diff_vs_cublas']:.2g})"
+                + f"x{r['speedup_vs_cublas']:.2f} vs cuBLAS (max diff {r['max_rel_diff_vs_cublas'] or 0:.2g})"
             )
     cf = report["capture_failure"]
     recovered = not cf["ran"] or all(cf[k] for k in CAPTURE_FAILURE_CHECKS)

@@ -51,6 +51,7 @@ from rlkube.runtime.rollout.base import RolloutRequest, SamplingParams  # noqa: 
 from rlkube.runtime.rollout.hf import HFEngine, teacher_forced_logprobs  # noqa: E402
 from rlkube.runtime.rollout.hf_decode import (  # noqa: E402
     DOWN_SPLIT_K,
+    GATED_MIN_ROWS_DEFAULT,
     LINEAR_MAX_ROWS_DEFAULT,
 )
 
@@ -134,6 +135,7 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
         linear_max_rows=LINEAR_MAX_ROWS_DEFAULT if args.linear_max_rows is None else args.linear_max_rows,
         down_split_min_rows=args.down_split_min_rows,  # None: the decoder's own rule
         down_split_k=DOWN_SPLIT_K if args.down_split_k is None else args.down_split_k,
+        gated_min_rows=GATED_MIN_ROWS_DEFAULT if args.gated_min_rows is None else args.gated_min_rows,
         freeze_heap=args.freeze_heap == "on",
     )
     engine.decoder.compiled_prefill = args.prefill == "compiled"
@@ -202,6 +204,7 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
             "linear_max_rows": d.linear_max_rows,
             "down_split_min_rows": d.down_split_min_rows,
             "down_split_k": d.down_split_k,
+            "gated_min_rows": d.gated_min_rows,
             "harvest_tokens": engine.harvest_tokens,
             "kernel_errors": d.kernel_errors,
             "graphs_captured": len(d._graphs),
@@ -372,6 +375,11 @@ def main(argv: list[str] | None = None) -> int:
         "--down-split-min-rows", type=int, default=None,
         help="buckets of at least this many rows run the down GEMM split-K (0: never; default: the "
         "engine's rule, hf_decode.auto_down_split_min_rows)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--gated-min-rows", type=int, default=None,
+        help="buckets of at least this many rows run gate/up + SiLU as one Triton GEMM (0: never; "
+        "default: the engine's, hf_decode.GATED_MIN_ROWS_DEFAULT)",
     )  # fmt: skip
     ap.add_argument(
         "--down-split-k", type=int, default=None,

@@ -2,13 +2,17 @@
 # `make bench-gpu`: the GPU benchmarks, run on a GPU machine (here: through the device tool, one
 # H200 with torch but no rlkube install, no Ray, no vLLM, no network).
 #   bash bench/gpu/run.sh [weights] [rollout] [trainer] [ipc] [decode-step] [linear-layers] [linear-rollout]
-#   [harvest-ab] [split-down-ab]   (default: the first three)
+#   [harvest-ab] [split-down-ab] [gated-ab]   (default: the first three)
 # harvest-ab: the rollout with each chunk's tokens copied to the host behind it (the default) and
 # without (all read at collection), one after the other (harvest-ab/ under $out).
 # split-down-ab: the down projection split-K (hf_decode.split_k_partials): the residual GEMMs alone
 # per split at 512 rows, the 512-row step per split (partials summed in the next norm, or "-sep" by
 # their own kernel), then the rollout without it and with it (2 and 4 slices) for buckets of >= 256
 # rows (split-down-ab/ under $out).
+# gated-ab: gate/up + SiLU as one Triton GEMM with the SiLU in its epilogue (hf_decode's
+# gated_min_rows): the layer alone at 256 and 512 rows per launch against cuBLAS + the SiLU kernel
+# and against the bare GEMM, the 512-row step with it off and on, then the b512 rollout off and on
+# for buckets of >= 256 rows (gated-ab/ under $out; time-boxed to one 600 s device call).
 # linear-layers / linear-rollout: the fused linear kernel (rollout/decode_linear.py; off, slower on
 # an H100 at stop 29), in two calls of a few minutes each (linear-ab/ under $out): each layer alone against
 # cuBLAS per launch setting (64 and 512 rows) and the decode step with it on and off; then the
@@ -68,6 +72,16 @@ for bench in ${*:-weights rollout trainer}; do
         OUT=$out/split-down-ab/on-k$k timeout 110 python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate --sizes 1.5b,0.5b \
           --shapes b512 --down-split-min-rows 256 --down-split-k $k | tail -3 || status=1  # the JSON has it all
       done ;;
+    gated-ab)
+      mkdir -p "$out/gated-ab/on"
+      OUT=$out/gated-ab timeout 260 python3 "$top/bench/gpu/decode_step_gpu.py" --sizes 1.5b,0.5b --rows 512 \
+        --configs default,gated,gated-t64x128,gated-t128x64,default --repeats 3 --no-capture-check \
+        --linear t128,t128s4,t64x128,t128x64,t128x64w8,t64x256,gemm-only --linear-rows 512,256 \
+        --linear-layers gated > "$out/gated-ab/decode-step-gpu.log" || status=1
+      OUT=$out/gated-ab timeout 140 python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate --sizes 1.5b,0.5b \
+        --shapes b512 --gated-min-rows 0 > "$out/gated-ab/rollout-gpu.log" || status=1
+      OUT=$out/gated-ab/on timeout 140 python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate --sizes 1.5b,0.5b \
+        --shapes b512 --gated-min-rows 256 > "$out/gated-ab/on/rollout-gpu.log" || status=1 ;;
     linear-rollout)
       mkdir -p "$out/linear-ab/on"
       OUT=$out/linear-ab python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate \

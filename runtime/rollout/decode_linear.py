@@ -70,10 +70,14 @@ if HAVE_TRITON:
         BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr,
     ):  # fmt: skip
         """Output columns [pid_n * BN, +BN) of rows [pid_m * BM, +BM), over K range pid_k (see
-        the module doc)."""
-        pid_n = tl.program_id(0)
+        the module doc). Row blocks vary fastest: the programs that read one weight tile run
+        side by side and share it through L2, so the weights leave HBM once however many row
+        blocks there are (n fastest read a 55 MB gate/up weight once per row block)."""
+        pid_t = tl.program_id(0)
         pid_k = tl.program_id(1)
-        pid_m = tl.program_id(2)
+        m_tiles = tl.cdiv(M, BM)
+        pid_m = pid_t % m_tiles
+        pid_n = pid_t // m_tiles
         rm = pid_m * BM + tl.arange(0, BM)
         rn = pid_n * BN + tl.arange(0, BN)
         rk = tl.arange(0, BK)
@@ -110,7 +114,7 @@ if HAVE_TRITON:
         else:
             # partials laid out [split, plane (gate, up), m_pad, n_pad]; sums of squares
             # [n tile, split, m_pad]; one counter per output tile
-            m_pad = tl.num_programs(2) * BM
+            m_pad = m_tiles * BM
             tile = rm[:, None] * n_pad + rn[None, :]
             plane = m_pad * n_pad
             tl.store(WS + (pid_k * 2) * plane + tile, acc)
@@ -119,7 +123,7 @@ if HAVE_TRITON:
             if NORM:
                 tl.store(WS_SQ + (pid_n * SPLIT + pid_k) * m_pad + rm, sq)
             tl.debug_barrier()  # every thread's partial is written before the count goes up
-            counter = COUNT + pid_m * tl.num_programs(0) + pid_n
+            counter = COUNT + pid_t
             arrived = tl.atomic_add(counter, 1, sem="acq_rel")
             if arrived == SPLIT - 1:  # the last of this tile's programs: sum in split order
                 acc = tl.zeros((BM, BN), dtype=tl.float32)
@@ -194,6 +198,16 @@ class LinearPlan:
             return 0, 0, 0
         m_pad, n_pad = self.m_tiles * self.bm, self.n_tiles * self.bn
         return self.split * 2 * m_pad * n_pad, self.n_tiles * self.split * m_pad, self.m_tiles * self.n_tiles
+
+
+def gated_launch(hip: bool) -> dict[str, int]:
+    """The launch of the large-batch gated layer (``StaticDecoder(gated_min_rows=...)``): 128-row
+    blocks of 128 gate and 128 up columns, 64-wide K blocks in 3 stages on 8 warps (the
+    decode-step bench's ``t128``; 144 KB of shared memory); on AMD, whose LDS holds 64 KB, half
+    the columns and 32-wide K blocks in 2 stages (unmeasured: no AMD GPU here)."""
+    if hip:
+        return {"bm": 128, "bn": 64, "bk": 32, "num_warps": 8, "num_stages": 2}
+    return {"bm": 128, "bn": 128, "bk": 64, "num_warps": 8, "num_stages": 3}
 
 
 class TritonSmallLinear:
@@ -284,7 +298,7 @@ class TritonSmallLinear:
         ws, ws_sq, count = p.workspace
         if ws > self.ws.numel() or ws_sq > self.ws_sq.numel() or count > self.count.numel():
             raise RuntimeError(f"small linear workspace not reserved for {m}x{n_out}x{k} (gated={gated})")
-        _small_linear_kernel[(p.n_tiles, p.split, p.m_tiles)](
+        _small_linear_kernel[(p.n_tiles * p.m_tiles, p.split)](
             x, weight, norm if norm is not None else x, bias if bias is not None else x, out,
             self.ws, self.ws_sq, self.count,
             m, n_out, k, x.stride(0), weight.stride(0), out.stride(0), n_out, p.n_tiles * p.bn, eps,
@@ -296,10 +310,12 @@ class TritonSmallLinear:
 
 
 def self_check(fn: TritonSmallLinear, device: torch.device, *, rows: int, hidden: int, inter: int,
-               n_qkv: int, n_att: int, dtype: torch.dtype) -> str | None:  # fmt: skip
-    """The four layer kinds of a decode step at the model's shapes against ``small_linear_ref``
+               n_qkv: int, n_att: int, dtype: torch.dtype,
+               layers: tuple[str, ...] = ("q/k/v", "o", "gate/up", "down")) -> str | None:  # fmt: skip
+    """The layer kinds of a decode step at the model's shapes against ``small_linear_ref``
     (float32), at one row and at ``rows``; ``None`` if they agree, else why not (then the decoder
-    keeps cuBLAS)."""
+    keeps cuBLAS). ``layers``: the four of ``small_layer_post_attention`` by default; "gated" is
+    gate/up + SiLU on an input already normed (the large-batch gated layer)."""
     g = torch.Generator(device="cpu").manual_seed(4321)
 
     def rand(*shape: int, scale: float = 1.0) -> torch.Tensor:
@@ -314,7 +330,9 @@ def self_check(fn: TritonSmallLinear, device: torch.device, *, rows: int, hidden
         "o": (rand(rows, n_att), rand(hidden, n_att, scale=0.05), None, None, False, True),
         "gate/up": (x, rand(2 * inter, hidden, scale=0.05), norm, None, True, False),
         "down": (rand(rows, inter), rand(hidden, inter, scale=0.02), None, None, False, True),
+        "gated": (x, rand(2 * inter, hidden, scale=0.05), None, None, True, False),
     }
+    cases = {name: case for name, case in cases.items() if name in layers}
     tol = 2e-2 if dtype != torch.float32 else 1e-4
 
     def up(t: torch.Tensor | None) -> torch.Tensor | None:

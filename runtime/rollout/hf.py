@@ -41,6 +41,7 @@ from rlkube.runtime.rollout.base import (
 )
 from rlkube.runtime.rollout.hf_decode import (
     DOWN_SPLIT_K,
+    GATED_MIN_ROWS_DEFAULT,
     LINEAR_MAX_ROWS_DEFAULT,
     CompileSetting,
     KernelSetting,
@@ -141,6 +142,7 @@ class HFEngine(ThreadedEngine):
         linear_max_rows: int = LINEAR_MAX_ROWS_DEFAULT,
         down_split_min_rows: int | None = None,
         down_split_k: int = DOWN_SPLIT_K,
+        gated_min_rows: int = GATED_MIN_ROWS_DEFAULT,
         freeze_heap: bool = True,
         seed: int = 0,
         version: int = 0,
@@ -171,6 +173,7 @@ class HFEngine(ThreadedEngine):
             linear_max_rows=linear_max_rows,
             down_split_min_rows=down_split_min_rows,
             down_split_k=down_split_k,
+            gated_min_rows=gated_min_rows,
         )
         self.sync_every = sync_every or (16 if self.device.type == "cuda" else 4)
         self._version = version

@@ -45,6 +45,7 @@ Logprobs are raw ``log_softmax(logits)`` of the sampled token (see ``rollout.bas
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import time
@@ -77,6 +78,11 @@ LINEAR_MAX_ROWS_DEFAULT = 0
 # wide: on an H100 (stop 32) two slices made the 512-row step of Qwen2.5-1.5B (MLP 8960 wide)
 # 1.03x faster and its b512 rollout 46.4 -> 47.8% of the bound, but the 0.5B step (4864 wide)
 # 0.95x slower, and four slices lost at both sizes (docs/benchmarks.md, stop 32).
+# Buckets of at least this many rows run gate/up + SiLU as one Triton GEMM with the SiLU in its
+# epilogue (``decode_linear``, launch ``gated_launch``; the norm before it its own compiled
+# kernel), so the [rows, 2 I] product is never written and read back. 0: never (cuBLAS, then the
+# SiLU kernel). Off until the decode-step bench's ``gated`` layer and step A/B say where it wins.
+GATED_MIN_ROWS_DEFAULT = 0
 DOWN_SPLIT_MIN_ROWS_DEFAULT = 256
 DOWN_SPLIT_MIN_INTERMEDIATE = 8192
 DOWN_SPLIT_K = 2
@@ -150,6 +156,7 @@ class StaticDecoder:
         linear_max_rows: int = LINEAR_MAX_ROWS_DEFAULT,
         down_split_min_rows: int | None = None,
         down_split_k: int = DOWN_SPLIT_K,
+        gated_min_rows: int = GATED_MIN_ROWS_DEFAULT,
     ) -> None:
         cfg: Any = model.config
         p = next(model.parameters())
@@ -163,6 +170,11 @@ class StaticDecoder:
         if not (isinstance(down_split_min_rows, int) and down_split_min_rows >= 0):
             raise ValueError(
                 f"down_split_min_rows must be an integer >= 0 (0: never split), not {down_split_min_rows!r}"
+            )
+        if not (isinstance(gated_min_rows, int) and gated_min_rows >= 0):
+            raise ValueError(
+                f"gated_min_rows must be an integer >= 0 (0: cuBLAS, then the SiLU kernel), "
+                f"not {gated_min_rows!r}"
             )
         if not (isinstance(down_split_k, int) and down_split_k >= 2):
             raise ValueError(f"down_split_k must be an integer >= 2, not {down_split_k!r}")
@@ -237,7 +249,7 @@ class StaticDecoder:
         self.use_graphs = (dev.type == "cuda") if use_cuda_graphs is None else use_cuda_graphs
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
-        self._init_kernels(kernels_setting, linear_max_rows)
+        self._init_kernels(kernels_setting, linear_max_rows, gated_min_rows)
         if compile_step not in COMPILE_SETTINGS:
             allowed = "True, False, 'auto' or 'max-autotune'"
             raise ValueError(f"compile_step must be {allowed}, not {compile_step!r}")
@@ -310,9 +322,12 @@ class StaticDecoder:
         return mlp_in
 
     # ---- kernels ---------------------------------------------------------------------------
-    def _init_kernels(self, setting: KernelSetting, linear_max_rows: int = 0) -> None:
+    def _init_kernels(
+        self, setting: KernelSetting, linear_max_rows: int = 0, gated_min_rows: int = 0
+    ) -> None:
         """Triton attention, sampling and SiLU where they run and agree with their references; the
-        fused linear kernel too when ``linear_max_rows`` asks for it."""
+        fused linear kernel too when ``linear_max_rows`` asks for it, and the gated GEMM when
+        ``gated_min_rows`` does."""
         if setting not in (True, False, "auto"):
             raise ValueError(f"kernels must be True, False or 'auto', not {setting!r}")
         self.kernel_errors: dict[str, str] = {}
@@ -323,6 +338,9 @@ class StaticDecoder:
         self._linear: decode_linear.TritonSmallLinear | None = None
         # buckets of at most this many rows run the fused small-batch linear kernel (0: cuBLAS)
         self.linear_max_rows = 0
+        self._gated: decode_linear.TritonSmallLinear | None = None
+        # buckets of at least this many rows run gate/up + SiLU as one GEMM (0: never)
+        self.gated_min_rows = 0
 
         want = setting is True or (setting == "auto" and self.device.type == "cuda")
         if not want:
@@ -360,6 +378,18 @@ class StaticDecoder:
             if self._linear is not None:
                 self.linear_max_rows = linear_max_rows
                 self.reserve_linear()
+            if gated_min_rows:
+                self._gated = self._checked_kernel(
+                    "gated",
+                    self._make_gated,
+                    check=functools.partial(decode_linear.self_check, layers=("gated",)),
+                    rows=min(self.B, max(8, gated_min_rows)),
+                    hidden=self.hidden, inter=self.inter, n_att=self.n_heads * self.head_dim,
+                    n_qkv=(self.n_heads + 2 * self.n_kv) * self.head_dim,
+                )  # fmt: skip
+            if self._gated is not None:
+                self.gated_min_rows = gated_min_rows
+                self.reserve_linear()
         if setting is True and self.kernel_errors:
             raise RuntimeError(f"decode kernels unavailable: {self.kernel_errors}")
         for k, v in self.kernel_errors.items():
@@ -393,24 +423,44 @@ class StaticDecoder:
             "sampling": "triton" if self._sampler is not None else "torch",
             "silu": "triton" if self._silu is not None else "torch",
             "linear": "triton" if self._linear is not None and self.linear_max_rows else "torch",
+            "gated": "triton" if self._gated is not None and self.gated_min_rows else "torch",
         }
 
+    def _make_gated(self) -> decode_linear.TritonSmallLinear:
+        lin = decode_linear.TritonSmallLinear(self.device)
+        lin.launch = decode_linear.gated_launch(lin.hip)
+        return lin
+
+    def _mlp_in_gated(
+        self, x: torch.Tensor, norm: torch.Tensor, w_gate_up: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """``layer_mlp_in`` as the norm (the step's compiled RMS norm) and one Triton GEMM with
+        ``silu(gate) * up`` in its epilogue."""
+        assert self._gated is not None
+        return self._gated(self._final_norm_fn(x, norm, eps), w_gate_up, gated=True)
+
     def reserve_linear(self) -> None:
-        """Size the small-batch linear kernel's workspace for every bucket it serves. Call again
-        after changing ``linear_max_rows`` or the kernel's launch settings: a graph keeps the
-        workspace's address, so if a buffer has to move, the captured graphs are dropped."""
+        """Size the linear kernels' workspaces (small-batch layers, large-batch gated GEMM) for
+        every bucket they serve. Call again after changing ``linear_max_rows``,
+        ``gated_min_rows`` or a kernel's launch settings: a graph keeps the workspace's address, so
+        if a buffer has to move, the captured graphs are dropped."""
+        moved = []
         lin = self._linear
-        if lin is None:
-            return
-        shapes = decode_linear.decode_layer_shapes(
-            self.hidden,
-            self.inter,
-            self.n_heads * self.head_dim,
-            (self.n_heads + 2 * self.n_kv) * self.head_dim,
-        ).values()
-        moved = [
-            lin.reserve(nb, *shape) for nb in self.buckets if nb <= self.linear_max_rows for shape in shapes
-        ]
+        if lin is not None:
+            shapes = decode_linear.decode_layer_shapes(
+                self.hidden,
+                self.inter,
+                self.n_heads * self.head_dim,
+                (self.n_heads + 2 * self.n_kv) * self.head_dim,
+            ).values()
+            small = [nb for nb in self.buckets if nb <= self.linear_max_rows]
+            moved += [lin.reserve(nb, *shape) for nb in small for shape in shapes]
+        if self._gated is not None and self.gated_min_rows:
+            moved += [
+                self._gated.reserve(nb, self.inter, self.hidden, True)
+                for nb in self.buckets
+                if nb >= self.gated_min_rows
+            ]
         if any(moved):
             self.drop_graphs()
 
@@ -575,6 +625,8 @@ class StaticDecoder:
         att_kernel = self._attention
         lin = self._linear if nb <= self.linear_max_rows else None
         split = lin is None and bool(self.down_split_min_rows) and nb >= self.down_split_min_rows
+        gated = lin is None and self._gated is not None and 0 < self.gated_min_rows <= nb
+        mlp_in = self._mlp_in_gated if gated else self._mlp_in_fn
         pending: tuple[torch.Tensor, torch.Tensor | None] | None = None  # partials not yet in x
         for i in range(len(self.layers)):
             pre, post = self._layer_weights(i)
@@ -597,13 +649,13 @@ class StaticDecoder:
             if lin is not None:
                 x = small_layer_post_attention(lin, x, att, post, self.eps)
             elif split:
-                pending = self._post_attention_split(x, att, post)
+                pending = self._post_attention_split(x, att, post, mlp_in)
                 if mark:
                     _rows_dynamic(pending[0], dim=1)
                 if not self.down_split_fold:  # summed now, by a kernel of their own
                     x, pending = self._add_partials_fn(x, *pending), None
             else:
-                x = layer_post_attention(x, att, post, self.eps, self._mlp_in_fn, self._residual_fn)
+                x = layer_post_attention(x, att, post, self.eps, mlp_in, self._residual_fn)
         if pending is not None:
             parts, bias = pending
             logits = self._head(x, lambda h, w, eps: self._final_norm_after_split_fn(h, parts, bias, w, eps))
@@ -624,13 +676,13 @@ class StaticDecoder:
         self._advance_fn(*slots, self.T)
 
     def _post_attention_split(
-        self, x: torch.Tensor, att: torch.Tensor, post: tuple[Any, ...]
+        self, x: torch.Tensor, att: torch.Tensor, post: tuple[Any, ...], mlp_in: Callable[..., torch.Tensor]
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """``layer_post_attention`` with the down projection left as float32 split-K partials (and
         its bias), for the next layer's norm kernel (or ``add_partials_``) to add into ``x``."""
         w_o, b_o, norm, w_gu, w_down, b_down = post
         x = self._residual_fn(x, att, w_o, b_o)
-        h = self._mlp_in_fn(x, norm, w_gu, self.eps)
+        h = mlp_in(x, norm, w_gu, self.eps)
         return split_k_partials(h, w_down, self.down_split_k), b_down
 
     @torch.no_grad()

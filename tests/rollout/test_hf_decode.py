@@ -335,8 +335,60 @@ def test_engine_with_triton_kernels_equals_engine_without(
     triton_interpret: Callable[[str], dict[str, Any]],
 ) -> None:
     out = triton_interpret(ENGINE_SCRIPT)
-    assert out["kernels"] == dict.fromkeys(("attention", "sampling", "silu", "linear"), "triton")
+    on = dict.fromkeys(("attention", "sampling", "silu", "linear"), "triton")
+    assert out["kernels"] == {**on, "gated": "torch"}  # gated_min_rows not asked for
     assert out["same_tokens"] and out["lp_err"] < 1e-5 and out["tf_err"] < LOGPROB_ATOL
+
+
+# Kernels on in both engines; the second runs gate/up + SiLU as one GEMM (SiLU in its epilogue)
+# for buckets of >= 16 rows. 12 samples of 9 tokens, then the finished ones leave: the steps run
+# in bucket 16 first, then 8, so both paths serve the same rollout.
+GATED_SCRIPT = textwrap.dedent(
+    """
+    import json, torch
+    from transformers import AutoModelForCausalLM
+    from rlkube.runtime.models.tiny import tiny_qwen2_config
+    from rlkube.runtime.rollout.hf import HFEngine, teacher_forced_logprobs
+    from rlkube.runtime.rollout.base import RolloutRequest, SamplingParams
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(tiny_qwen2_config(40, hidden_size=64, num_heads=2)).eval()
+    reqs = [RolloutRequest(f"r{i}", p, SamplingParams(n=4, max_tokens=9 - 3 * i, seed=i))
+            for i, p in enumerate([[1, 5, 6, 7], [2, 9, 8], [3, 3, 4]])]
+    outs, used, steps = {}, {}, {}
+    for min_rows in (0, 16):
+        with HFEngine(model=model, num_slots=16, max_seq_len=24, kernels=True,
+                      gated_min_rows=min_rows) as eng:
+            outs[min_rows] = eng.generate(reqs)
+            used[min_rows] = (eng.decoder.kernels_used["gated"], eng.decoder.gated_min_rows)
+            steps[min_rows] = eng.decoder.steps_by_bucket
+    a, b = outs[0], outs[16]
+    err = max(max(abs(x - y) for x, y in zip(p.logprobs, q.logprobs)) for p, q in zip(a, b))
+    tf = max(float((teacher_forced_logprobs(model, c.prompt_ids, c.token_ids)
+                    - torch.tensor(c.logprobs)).abs().max()) for c in b)
+    same = [c.token_ids for c in a] == [c.token_ids for c in b]
+    print(json.dumps({"used": used, "same_tokens": same, "lp_err": err, "tf_err": tf,
+                      "steps": {k: {str(n): c for n, c in v.items()} for k, v in steps.items()}}))
+    """
+)
+
+
+def test_the_gated_gemm_with_silu_in_its_epilogue_decodes_the_same_tokens_and_logprobs(
+    triton_interpret: Callable[[str], dict[str, Any]],
+) -> None:
+    """``gated_min_rows``: large buckets run the norm, then gate/up with ``silu(gate) * up`` in the
+    GEMM's epilogue (the [rows, 2 I] product never written); the engine must sample the same
+    tokens with the same log-probabilities as cuBLAS + the SiLU kernel, and they must still match
+    a teacher-forced forward pass."""
+    out = triton_interpret(GATED_SCRIPT)
+    assert out["used"] == {"0": ["torch", 0], "16": ["triton", 16]}
+    assert out["steps"]["16"].get("16", 0) > 0 and out["steps"]["16"].get("8", 0) > 0, out["steps"]
+    assert out["same_tokens"]
+    assert out["lp_err"] < 1e-5 and out["tf_err"] < LOGPROB_ATOL, out
+
+
+def test_a_negative_gated_min_rows_is_refused_naming_the_field(model: Any) -> None:
+    with pytest.raises(ValueError, match="gated_min_rows must be an integer >= 0"):
+        StaticDecoder(model, num_slots=4, max_seq_len=16, max_new_tokens=4, gated_min_rows=-1)
 
 
 def test_a_step_records_running_rows_and_moves_on_only_those_that_continue() -> None:
