@@ -7,8 +7,9 @@ on-policy: no separate old log-prob pass, as in the trainer) -> full bf16 weight
 engine. Two jobs:
 
 - ``today``: 8 prompts x 8 samples, 64-token prompts, 256 new tokens (no stops), one pass of 64
-  sequences, and TRL's GRPOTrainer on the identical model/batch/group/lengths (its step also runs
-  the 64 in one pass) when ``trl`` imports (carried as a wheel);
+  sequences (halved after an out-of-memory error: 1.5B's one pass needs ~98 GiB), and TRL's
+  GRPOTrainer on the identical model/batch/group/lengths (its step also runs the 64 in one
+  pass) when ``trl`` imports (carried as a wheel);
 - ``rl``: 64 prompts x 8 samples, prompts of 64-320 tokens, responses of 32-1,024 tokens drawn
   per sample (``_common.draw_rl_lengths``).
 
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import importlib.util
 import json
 import os
@@ -80,6 +82,32 @@ def job_lengths(job: str, args: argparse.Namespace, step: int) -> tuple[list[int
     if args.smoke:
         p_lens = [max(2, p // 16) for p in p_lens]
     return p_lens, r_lens, args.group
+
+
+def grpo_fitting_memory(
+    size: str, job: str, a: argparse.Namespace, device: torch.device, ceil: dict[str, Any]
+) -> dict[str, Any]:
+    """``rlkube_grpo``, with passes of half as many sequences after each out-of-memory error (down
+    to one), so the bench runs on a card smaller than the one its defaults were set for (1.5B's
+    one pass of 64 needs ~98 GiB); the result says what was asked and what ran."""
+    asked = a.micro_batch
+    while True:
+        try:
+            res = rlkube_grpo(size, job, a, device, ceil)
+            if a.micro_batch != asked:
+                res["micro_batch_fallback"] = {
+                    "asked": asked, "ran": a.micro_batch,
+                    "why": "out of memory in passes of the asked size on this card",
+                }  # fmt: skip
+            return res
+        except torch.cuda.OutOfMemoryError:
+            if a.micro_batch <= 1:
+                raise
+        # outside the handler, so the traceback's frames (and the tensors they hold) are gone
+        gc.collect()
+        torch.cuda.empty_cache()
+        print(f"{size} {job}: out of memory in passes of {a.micro_batch}, trying half", flush=True)
+        a.micro_batch //= 2
 
 
 def rlkube_grpo(
@@ -550,7 +578,7 @@ def main() -> int:
             if job == "rl":  # 8 rows of up to ~1,350 tokens: the float32 logits of 16 would not fit at 1.5B
                 a.steps, a.micro_batch = args.rl_steps, args.rl_micro_batch
             try:
-                entry[job] = rlkube_grpo(size, job, a, device, ceil)
+                entry[job] = grpo_fitting_memory(size, job, a, device, ceil)
             except Exception as e:
                 ok = False
                 entry[job] = {"error": f"{type(e).__name__}: {e}", "trace": traceback.format_exc()[-3000:]}

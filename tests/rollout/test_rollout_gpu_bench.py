@@ -6,11 +6,16 @@ pydantic (``rlkube.api`` needs it; a benchmark must not import it).
 
 from __future__ import annotations
 
+import argparse
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -144,6 +149,39 @@ def test_trainer_gpu_bench_smoke_without_rlkube_install_or_pydantic(tmp_path: Pa
     assert today["engine_compiled"] is False  # --compile off
     assert rl["batch"] == 3 * 2 and 0 < rl["rollout_fraction_of_bound"] < 1
     assert all(0 <= s["padding_fraction"] < 1 for s in rl["steps"])
+
+
+def test_trainer_gpu_bench_halves_its_passes_after_running_out_of_gpu_memory(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """On a card smaller than the defaults were set for (1.5B's one pass of 64 sequences needs
+    ~98 GiB; an H100 has 80), the bench retries with passes of half as many sequences and says so,
+    instead of losing the model's figures. The out-of-memory error is injected (no GPU here)."""
+    spec = importlib.util.spec_from_file_location("trainer_gpu_under_test", ROOT / "bench/gpu/trainer_gpu.py")
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    tried: list[int] = []
+
+    def fits_in_passes_of_16(size: str, job: str, a: argparse.Namespace, *_: object) -> dict[str, int]:
+        tried.append(a.micro_batch)
+        if a.micro_batch > 16:
+            raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+        return {"micro_batch": a.micro_batch}
+
+    monkeypatch.setattr(bench, "rlkube_grpo", fits_in_passes_of_16)
+    cpu = torch.device("cpu")
+    res = bench.grpo_fitting_memory("1.5b", "today", argparse.Namespace(micro_batch=64), cpu, {})
+    assert tried == [64, 32, 16]
+    assert res["micro_batch"] == 16 and res["micro_batch_fallback"]["asked"] == 64
+    assert res["micro_batch_fallback"]["ran"] == 16
+
+    def never_fits(size: str, job: str, a: argparse.Namespace, *_: object) -> dict[str, int]:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory (injected)")
+
+    monkeypatch.setattr(bench, "rlkube_grpo", never_fits)
+    with pytest.raises(torch.cuda.OutOfMemoryError):  # down to one sequence per pass, then the error
+        bench.grpo_fitting_memory("1.5b", "today", argparse.Namespace(micro_batch=4), cpu, {})
 
 
 def test_decode_step_bench_times_the_attention_kernel_alone_per_launch_setting(tmp_path: Path) -> None:
