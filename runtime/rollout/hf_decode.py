@@ -81,7 +81,10 @@ LINEAR_MAX_ROWS_DEFAULT = 0
 # Buckets of at least this many rows run gate/up + SiLU as one Triton GEMM with the SiLU in its
 # epilogue (``decode_linear``, launch ``gated_launch``; the norm before it its own compiled
 # kernel), so the [rows, 2 I] product is never written and read back. 0: never (cuBLAS, then the
-# SiLU kernel). Off until the decode-step bench's ``gated`` layer and step A/B say where it wins.
+# SiLU kernel), the default: on an H100 the kernel ran the layer at 48-58% of the GEMM rate where
+# cuBLAS's GEMM alone ran at 82%, so even without the SiLU pass it lost (1.5B, 512 rows: 61.6-82.5
+# us against 52.4 us for cuBLAS + SiLU); the 512-row step 0.89x (1.5B) and 0.90x (0.5B), the b512
+# rollout 48.0 -> 44.8% and 38.2 -> 34.1% of its bound (docs/benchmarks.md, stop 35).
 GATED_MIN_ROWS_DEFAULT = 0
 DOWN_SPLIT_MIN_ROWS_DEFAULT = 256
 DOWN_SPLIT_MIN_INTERMEDIATE = 8192
