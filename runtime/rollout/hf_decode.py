@@ -369,15 +369,19 @@ class StaticDecoder:
                 vocab=self.vocab,
             )
             self._silu = self._checked_kernel("silu", lambda: kernels.silu_mul, rows=rows, inter=self.inter)
+            # the linear layers' widths, as decode_linear.self_check takes them
+            widths = dict(
+                hidden=self.hidden, inter=self.inter, n_att=self.n_heads * self.head_dim,
+                n_qkv=(self.n_heads + 2 * self.n_kv) * self.head_dim,
+            )  # fmt: skip
             if linear_max_rows:
                 self._linear = self._checked_kernel(
                     "linear",
                     lambda: decode_linear.TritonSmallLinear(self.device),
                     check=decode_linear.self_check,
                     rows=min(self.B, linear_max_rows),
-                    hidden=self.hidden, inter=self.inter, n_att=self.n_heads * self.head_dim,
-                    n_qkv=(self.n_heads + 2 * self.n_kv) * self.head_dim,
-                )  # fmt: skip
+                    **widths,
+                )
             if self._linear is not None:
                 self.linear_max_rows = linear_max_rows
                 self.reserve_linear()
@@ -387,9 +391,8 @@ class StaticDecoder:
                     self._make_gated,
                     check=functools.partial(decode_linear.self_check, layers=("gated",)),
                     rows=min(self.B, max(8, gated_min_rows)),
-                    hidden=self.hidden, inter=self.inter, n_att=self.n_heads * self.head_dim,
-                    n_qkv=(self.n_heads + 2 * self.n_kv) * self.head_dim,
-                )  # fmt: skip
+                    **widths,
+                )
             if self._gated is not None:
                 self.gated_min_rows = gated_min_rows
                 self.reserve_linear()
