@@ -71,13 +71,6 @@ KernelSetting = bool | str  # True (required), False (PyTorch only) or "auto" (o
 # vs 1.155 ms at 0.5B, 3.358 vs 2.129 ms at 1.5B; docs/benchmarks.md, stop 29), so it stays an A/B
 # (``decode_step_gpu.py --linear`` and the ``cublas`` / ``linear`` step configs).
 LINEAR_MAX_ROWS_DEFAULT = 0
-# Buckets of at least this many rows run the down projection split-K (``split_k_partials``:
-# ``DOWN_SPLIT_K`` slices of its long K, one batched GEMM into float32 partials, added into the
-# residual by the next layer's norm kernel, or the final norm's). 0: never. By default ("auto",
-# ``down_split_min_rows=None``) only on GPUs and only for MLPs at least DOWN_SPLIT_MIN_INTERMEDIATE
-# wide: on an H100 (stop 32) two slices made the 512-row step of Qwen2.5-1.5B (MLP 8960 wide)
-# 1.03x faster and its b512 rollout 46.4 -> 47.8% of the bound, but the 0.5B step (4864 wide)
-# 0.95x slower, and four slices lost at both sizes (docs/benchmarks.md, stop 32).
 # Buckets of at least this many rows run gate/up + SiLU as one Triton GEMM with the SiLU in its
 # epilogue (``decode_linear``, launch ``gated_launch``; the norm before it its own compiled
 # kernel), so the [rows, 2 I] product is never written and read back. 0: never (cuBLAS, then the
@@ -86,6 +79,13 @@ LINEAR_MAX_ROWS_DEFAULT = 0
 # us against 52.4 us for cuBLAS + SiLU); the 512-row step 0.89x (1.5B) and 0.90x (0.5B), the b512
 # rollout 48.0 -> 44.8% and 38.2 -> 34.1% of its bound (docs/benchmarks.md, stop 35).
 GATED_MIN_ROWS_DEFAULT = 0
+# Buckets of at least this many rows run the down projection split-K (``split_k_partials``:
+# ``DOWN_SPLIT_K`` slices of its long K, one batched GEMM into float32 partials, added into the
+# residual by the next layer's norm kernel, or the final norm's). 0: never. By default ("auto",
+# ``down_split_min_rows=None``) only on GPUs and only for MLPs at least DOWN_SPLIT_MIN_INTERMEDIATE
+# wide: on an H100 (stop 32) two slices made the 512-row step of Qwen2.5-1.5B (MLP 8960 wide)
+# 1.03x faster and its b512 rollout 46.4 -> 47.8% of the bound, but the 0.5B step (4864 wide)
+# 0.95x slower, and four slices lost at both sizes (docs/benchmarks.md, stop 32).
 DOWN_SPLIT_MIN_ROWS_DEFAULT = 256
 DOWN_SPLIT_MIN_INTERMEDIATE = 8192
 DOWN_SPLIT_K = 2
@@ -369,11 +369,7 @@ class StaticDecoder:
                 vocab=self.vocab,
             )
             self._silu = self._checked_kernel("silu", lambda: kernels.silu_mul, rows=rows, inter=self.inter)
-            # the linear layers' widths, as decode_linear.self_check takes them
-            widths = dict(
-                hidden=self.hidden, inter=self.inter, n_att=self.n_heads * self.head_dim,
-                n_qkv=(self.n_heads + 2 * self.n_kv) * self.head_dim,
-            )  # fmt: skip
+            widths = self._linear_widths
             if linear_max_rows:
                 self._linear = self._checked_kernel(
                     "linear",
@@ -432,6 +428,17 @@ class StaticDecoder:
             "gated": "triton" if self._gated is not None and self.gated_min_rows else "torch",
         }
 
+    @property
+    def _linear_widths(self) -> dict[str, int]:
+        """The linear layers' widths, as ``decode_linear.self_check`` and ``decode_layer_shapes``
+        take them."""
+        return {
+            "hidden": self.hidden,
+            "inter": self.inter,
+            "n_att": self.n_heads * self.head_dim,
+            "n_qkv": (self.n_heads + 2 * self.n_kv) * self.head_dim,
+        }
+
     def _make_gated(self) -> decode_linear.TritonSmallLinear:
         lin = decode_linear.TritonSmallLinear(self.device)
         lin.launch = decode_linear.gated_launch(lin.hip)
@@ -453,12 +460,7 @@ class StaticDecoder:
         moved = []
         lin = self._linear
         if lin is not None:
-            shapes = decode_linear.decode_layer_shapes(
-                self.hidden,
-                self.inter,
-                self.n_heads * self.head_dim,
-                (self.n_heads + 2 * self.n_kv) * self.head_dim,
-            ).values()
+            shapes = decode_linear.decode_layer_shapes(**self._linear_widths).values()
             small = [nb for nb in self.buckets if nb <= self.linear_max_rows]
             moved += [lin.reserve(nb, *shape) for nb in small for shape in shapes]
         if self._gated is not None and self.gated_min_rows:
