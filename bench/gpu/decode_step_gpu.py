@@ -267,6 +267,7 @@ def bench(
 SAMPLER_VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
     "no-screen": {"screen": False},
+    "two-exp": {"reuse_exp": False},  # temperature-1 rows screen with a second exp (until stop 36)
     "chunk4k": {"chunk": 4096},
     "chunk8k": {"chunk": 8192},
     "chunk16k": {"chunk": 16384},

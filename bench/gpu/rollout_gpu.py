@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
+import itertools
 import json
 import os
 import time
@@ -166,6 +167,7 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
         finally:
             gc.callbacks.remove(pauses)
         phases = phase_seconds(engine.phase_events or [])
+        gaps = idle_gaps(engine.phase_events or [])
         engine.phase_events = None
         tokens = sum(len(c.token_ids) for c in out)
         assert tokens == sum(r_lens), (tokens, sum(r_lens))
@@ -221,6 +223,9 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
             # and the rest (the GPU idle while the host collects, plans and launches)
             "phase_seconds": phases,
             "gpu_idle_seconds": dt - sum(phases.values()) if phases else None,
+            # its part between phases, by the phase the GPU was waiting for; the rest of it is
+            # before the first phase and after the last
+            "gpu_idle_between_phases": gaps,
             # tokens copied behind their chunk vs read at collection (while the GPU waits)
             "tokens_by_route": {k: v - routes0[k] for k, v in engine.tokens_by_route.items()},
             "logprob_max_abs_err_vs_teacher_forced": max(errs),
@@ -228,6 +233,21 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
         }
     finally:
         engine.shutdown()
+
+
+def idle_gaps(events: list[tuple[str, Any, Any]]) -> dict[str, Any] | None:
+    """The device's idle seconds from the end of each phase to the start of the next (CUDA events,
+    after a sync), summed by the phase that followed, with the five longest gaps in ms: where the
+    host's work between chunks (collecting, planning, launching) left the GPU waiting."""
+    if len(events) < 2:
+        return None
+    by: dict[str, float] = {}
+    gaps = []
+    for (_, _, end), (phase, start, _) in itertools.pairwise(events):
+        gap = max(0.0, end.elapsed_time(start) / 1e3)
+        by["before_" + phase] = by.get("before_" + phase, 0.0) + gap
+        gaps.append(gap)
+    return {**by, "gaps": len(gaps), "longest_ms": [round(1e3 * g, 3) for g in sorted(gaps)[-5:]]}
 
 
 def phase_seconds(events: list[tuple[str, Any, Any]]) -> dict[str, float]:

@@ -372,12 +372,16 @@ if HAVE_TRITON:
         CHUNK: tl.constexpr,
         BLOCK: tl.constexpr,
         SCREEN: tl.constexpr,
+        REUSE_EXP: tl.constexpr,
     ):
         r = tl.program_id(0)
         sp = tl.program_id(1)
         t = tl.load(TEMP + r)
         greedy = t <= 0.0
         inv_t = tl.where(greedy, 1.0, 1.0 / tl.maximum(t, 1e-30))
+        # at temperature 1 (RL's usual) the screen's exp(x - top) is the sum's exp(x - m) times one
+        # number per block: one exp per element instead of two
+        unit_t = t == 1.0 if REUSE_EXP else t != t  # (t != t: false, a temperature is never NaN)
         seed = tl.load(SEEDS + r).to(tl.uint32)
         m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)  # running max of the chunk
         s = tl.zeros([BLOCK], tl.float32)  # per lane: sum of exp(x - m), reduced once at the end
@@ -394,7 +398,8 @@ if HAVE_TRITON:
             # online logsumexp, one exp per element (a chunk of -inf so far adds nothing)
             xmax = tl.max(x, 0)
             m_new = tl.maximum(m, xmax)
-            s = tl.where(m_new > float("-inf"), s * tl.exp(m - m_new) + tl.exp(x - m_new), 0.0)
+            e = tl.exp(x - m_new)
+            s = tl.where(m_new > float("-inf"), s * tl.exp(m - m_new) + e, 0.0)
             m = m_new
             # No score in this block can reach the best so far when even its largest logit plus the
             # largest noise falls short: skip the hash and the two logs (exact, see GUMBEL_BOUND).
@@ -407,7 +412,14 @@ if HAVE_TRITON:
                     # scores and of exp. Greedy rows need x > top.
                     gap = (8388607.5 - k.to(tl.float32)) * (1.0 / 8388608.0)
                     slack = 1e-3 + 4e-6 * tl.abs(top)
-                    chance = tl.where(greedy, x > top, gap < tl.exp(x * inv_t - top + slack))
+                    if unit_t:
+                        # exp(x - top + slack) = e * exp(c). Past c = 60 every element is let
+                        # through: there a flushed e (x - m < -87) could hide a true value above
+                        # the smallest gap (6e-8); below it such a value is under exp(-27).
+                        c = m_new - top + slack
+                        chance = gap < tl.where(c > 60.0, 2.0, e * tl.exp(tl.minimum(c, 60.0)))
+                    else:
+                        chance = tl.where(greedy, x > top, gap < tl.exp(x * inv_t - top + slack))
                     go = tl.max(chance.to(tl.int32), 0) > 0
                 else:
                     go = xmax > float("-inf")
@@ -612,7 +624,8 @@ class TritonSampler:
     in 34.0 against 34.8 us, on an H100 at stop 33; ``decode_step_gpu.py --sampler-only``). ``screen``
     (default on) computes the noise's two logs only for the vocabulary blocks where some element
     could still beat the best score, found from its hash alone; off, every block that the
-    largest-noise bound cannot rule out pays for them (kept for the benchmark's A/B). Every
+    largest-noise bound cannot rule out pays for them (kept for the benchmark's A/B). ``reuse_exp``
+    (default on) lets rows at temperature 1 screen with the log-sum-exp's own exponentials. Every
     setting gives the same tokens.
     """
 
@@ -630,6 +643,7 @@ class TritonSampler:
         chunk: int | None = None,
         block: int = 512,
         warps: int | None = None,
+        reuse_exp: bool = True,
     ) -> None:
         if not HAVE_TRITON:
             raise RuntimeError("triton is not importable")
@@ -640,6 +654,7 @@ class TritonSampler:
         if chunk is not None and (chunk <= 0 or chunk % block):
             raise ValueError(f"chunk {chunk} must be a positive multiple of the block ({block})")
         self.chunk, self.screen, self.vocab, self.block = chunk, screen, vocab, block
+        self.reuse_exp = reuse_exp
         # partials for the finest split any call can use
         shape = (max_rows, math.ceil(vocab / (chunk or min(self.CHUNKS))))
         self.p_m = torch.empty(shape, dtype=torch.float32, device=device)
@@ -674,7 +689,8 @@ class TritonSampler:
         lp = torch.empty(n, dtype=torch.float32, device=logits.device)
         _sample_split_kernel[(n, n_splits)](
             logits, logits.stride(0), temperature, seeds, p_m, p_s, p_best, p_idx, p_raw,
-            v, n_splits, CHUNK=chunk, BLOCK=self.block, SCREEN=self.screen, num_warps=self.warps,
+            v, n_splits, CHUNK=chunk, BLOCK=self.block, SCREEN=self.screen, REUSE_EXP=self.reuse_exp,
+            num_warps=self.warps,
         )  # fmt: skip
         _sample_combine_kernel[(n,)](
             p_m, p_s, p_best, p_idx, p_raw, tok, lp, n_splits, BLOCK_S=max(2, _next_pow2(n_splits)),
@@ -747,6 +763,7 @@ def self_check(kind: str, fn: Any, device: torch.device, **shape: Any) -> str | 
             x = (torch.randn(rows, vocab, generator=g) * 3).to(device, dtype)
             temp = torch.rand(rows, generator=g).to(device) + 0.3
             temp[0] = 0.0
+            temp[1:2] = 1.0  # the temperature-1 path (reuse_exp)
             seeds = torch.randint(0, 2**32, (rows,), generator=g).to(device)
             tok, lp = fn(x, temp, seeds)
             want_tok, want_lp = sample_tokens_ref(x, temp, seeds)
