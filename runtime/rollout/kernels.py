@@ -405,12 +405,15 @@ if HAVE_TRITON:
             # largest noise falls short: skip the hash and the two logs (exact, see GUMBEL_BOUND).
             if xmax * inv_t + tl.where(greedy, 0.0, _GUMBEL_BOUND) >= top:
                 k = _fmix32_tl(seed ^ (v.to(tl.uint32) * 0x85EBCA77)) >> 9
+                # f = 1 + k / 2**23 exactly, by putting k's 23 bits under float32's exponent of 1:
+                # an OR instead of an int-to-float conversion (a quarter-rate instruction)
+                f = (k | 0x3F800000).to(tl.float32, bitcast=True)
                 if SCREEN:
                     # x/T - log(E) beats ``top`` only if E = -log(u) < exp(x/T - top), and
                     # E >= 1 - u: so an element with 1 - u >= exp(x/T - top) cannot win (no log
                     # needed). 1 - u is exact in float32; the slack covers the rounding of the
                     # scores and of exp. Greedy rows need x > top.
-                    gap = (8388607.5 - k.to(tl.float32)) * (1.0 / 8388608.0)
+                    gap = (2.0 - f) - 5.9604644775390625e-08  # (2**23 - 0.5 - k) / 2**23, exact
                     slack = 1e-3 + 4e-6 * tl.abs(top)
                     if unit_t:
                         # exp(x - top + slack) = e * exp(c). Past c = 60 every element is let
@@ -424,7 +427,7 @@ if HAVE_TRITON:
                 else:
                     go = xmax > float("-inf")
                 if go:
-                    u = (k.to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # as gumbel_noise
+                    u = (f - 1.0) + 5.9604644775390625e-08  # (k + 0.5) / 2**23 exactly, as gumbel_noise
                     g = -tl.log(-tl.log(u))
                     score = tl.where(greedy, x, x * inv_t + g)
                     score = tl.where(mask, score, float("-inf"))
