@@ -129,6 +129,7 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
         num_slots=batch,
         max_seq_len=max_seq,
         sync_every=args.sync_every,
+        flag_lag=args.flag_lag,
         compile_step={"auto": "auto", "on": True, "off": False, "max-autotune": "max-autotune"}[args.compile],
         kernels={"auto": "auto", "on": True, "off": False}[args.kernels],
         share_prompt_reads=args.share_prompt == "on",
@@ -152,7 +153,7 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
         d = engine.decoder
         d.steps_by_bucket.clear()
         moved0, prefill0 = d.rows_moved, d.prefill_forwards
-        routes0 = dict(engine.tokens_by_route)
+        routes0, reads0 = dict(engine.tokens_by_route), dict(engine.flag_reads)
         reqs = make_requests("q", vocab, p_lens, r_lens, samples, seed=1)
         reset_peak(dev)
         engine.phase_events = []  # filled on CUDA only (the engine records no events elsewhere)
@@ -219,6 +220,8 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
             "rows_moved": d.rows_moved - moved0,
             "prefill_forwards": d.prefill_forwards - prefill0,
             "sync_every": engine.sync_every,
+            "flag_lag": engine.flag_lag,
+            "flag_reads": {k: v - reads0[k] for k, v in engine.flag_reads.items()},
             # the call's wall time on the device's timeline: prefill and admission, decode chunks,
             # and the rest (the GPU idle while the host collects, plans and launches)
             "phase_seconds": phases,
@@ -372,6 +375,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--rl-max-response", type=int, default=1024)
     ap.add_argument("--sync-every", type=int, default=None)
+    ap.add_argument(
+        "--flag-lag", type=int, default=None,
+        help="steps before a chunk's end at which the host reads the finished flags (0: at the end; "
+        "default: the engine's, 1 on a GPU)",
+    )  # fmt: skip
     ap.add_argument("--compile", choices=["auto", "on", "off", "max-autotune"], default="auto")
     ap.add_argument("--kernels", choices=["auto", "on", "off"], default="auto")
     ap.add_argument(

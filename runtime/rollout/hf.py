@@ -133,6 +133,7 @@ class HFEngine(ThreadedEngine):
         num_slots: int = 64,
         max_seq_len: int = 1024,
         sync_every: int | None = None,
+        flag_lag: int | None = None,
         cuda_graphs: bool | None = None,
         compile_step: CompileSetting = "auto",
         kernels: KernelSetting = "auto",
@@ -176,6 +177,17 @@ class HFEngine(ThreadedEngine):
             gated_min_rows=gated_min_rows,
         )
         self.sync_every = sync_every or (16 if self.device.type == "cuda" else 4)
+        # The finished flags are copied this many steps before a chunk's end, so the host plans the
+        # next chunk while the GPU runs the last steps (instead of the GPU waiting for the host).
+        # A sample that stops in those steps is collected one chunk later; its row stays in the
+        # batch meanwhile (masked). 0: read at the chunk's end (the CPU default, where nothing runs
+        # behind the host's back anyway).
+        if flag_lag is not None and flag_lag < 0:
+            raise ValueError(f"flag_lag must be >= 0 (steps), got {flag_lag}")
+        self.flag_lag = (1 if self.device.type == "cuda" else 0) if flag_lag is None else flag_lag
+        self._flag_buf = torch.zeros(num_slots, dtype=torch.bool, pin_memory=self.device.type == "cuda")
+        self._flags: tuple[int, Any] | None = None  # (rows, CUDA event) of this chunk's early copy
+        self.flag_reads = {"early": 0, "end": 0}  # where each chunk's finished flags were read
         self._version = version
         self.last_load_stats: DirectCopyStats | None = None
         from rlkube.runtime.weights.direct import DirectCopier
@@ -597,10 +609,15 @@ class HFEngine(ThreadedEngine):
         nb = d.bucket_for(max(w.slot for w in active) + 1)
         steps = min(self.sync_every, max(w.remaining for w in active))
         max_pos = max(w.max_pos for w in active)
+        # the step before which the finished flags are copied (none when the chunk is too short)
+        early = steps - self.flag_lag if steps > self.flag_lag > 0 else -1
+        self._flags = None
         done = 0
         for j in range(steps):
             if self._pause:
                 break
+            if j == early:
+                self._copy_flags(nb)
             d.decode(nb, d.kv_len_for(min(max_pos + j, d.S - 1)))
             done += 1
         for w in active:
@@ -608,6 +625,16 @@ class HFEngine(ThreadedEngine):
             w.remaining = max(0, w.remaining - done)
         if self.harvest_tokens and done:
             self._start_harvest(active, nb)
+
+    def _copy_flags(self, rows: int) -> None:
+        """Queue the copy of rows ``[0, rows)``'s running flags to the host (``_collect_finished``
+        reads it as soon as it lands, while the chunk's last steps still run)."""
+        self._flag_buf[:rows].copy_(self.decoder.state.running[:rows], non_blocking=True)
+        event = None
+        if self.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+        self._flags = (rows, event)
 
     def _start_harvest(self, active: list[_Work], rows: int) -> None:
         """Queue the copy of the chunk's new tokens to the host (``_read_harvest`` takes them).
@@ -687,14 +714,24 @@ class HFEngine(ThreadedEngine):
 
     def _collect_finished(self) -> None:
         """After a chunk was launched: read the previous chunk's tokens (the GPU is busy with this
-        one), then wait for this chunk's finished flags and collect the finished samples."""
+        one), then wait for this chunk's finished flags (copied ``flag_lag`` steps before its end)
+        and collect the finished samples."""
         if self._harvest_prev is not None:
             self._read_harvest(self._harvest_prev)
             self._harvest_prev = None
         slots = [i for i, w in enumerate(self._slots) if w is not None]
         if not slots:
             return
-        running = self.decoder.state.running[: slots[-1] + 1].tolist()  # one copy, no index upload
+        flags, self._flags = self._flags, None
+        if flags is not None and not self._pause and flags[0] > slots[-1]:
+            # the early copy: samples still running then are looked at again after the next chunk
+            if flags[1] is not None:
+                flags[1].synchronize()
+            running = self._flag_buf[: slots[-1] + 1].tolist()
+            self.flag_reads["early"] += 1
+        else:  # at the chunk's end (a pause leaves the GPU idle: whoever paused may touch it)
+            running = self.decoder.state.running[: slots[-1] + 1].tolist()  # one copy, no index upload
+            self.flag_reads["end"] += 1
         done = [i for i in slots if not running[i]]
         if done:
             self._finished.extend(self._collect(done, aborted=False))
