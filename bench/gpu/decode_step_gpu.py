@@ -268,6 +268,8 @@ SAMPLER_VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
     "no-screen": {"screen": False},
     "two-exp": {"reuse_exp": False},  # temperature-1 rows screen with a second exp (until stop 36)
+    "int-to-float": {"bitcast_uniform": False},  # the uniform from a conversion (until stop 36)
+    "stop35": {"reuse_exp": False, "bitcast_uniform": False},  # both, as until stop 36
     "chunk4k": {"chunk": 4096},
     "chunk8k": {"chunk": 8192},
     "chunk16k": {"chunk": 16384},

@@ -249,13 +249,26 @@ class HFEngine(ThreadedEngine):
     def submit(self, requests: Sequence[RolloutRequest]) -> None:
         """Queue requests; their samples show up in ``poll`` when finished."""
         items = []
+        per_request: dict[str, tuple[list[int], SamplingParams]] = {}  # checked once, shared by its samples
         for req, k in expand_samples(requests):
             p = req.params
-            self._check(req.prompt_ids, p)
+            if req.request_id not in per_request:
+                self._check(req.prompt_ids, p)
+                seg = SamplingParams(
+                    n=1,
+                    temperature=p.temperature,
+                    top_p=p.top_p,
+                    max_tokens=p.max_tokens,
+                    stop_token_ids=p.stop_token_ids,
+                    seed=p.seed,
+                    logprobs=p.logprobs,
+                )
+                per_request[req.request_id] = ([int(t) for t in req.prompt_ids], seg)
+            prompt, seg = per_request[req.request_id]
             comp = Completion(
                 request_id=req.request_id,
                 sample_index=k,
-                prompt_ids=[int(t) for t in req.prompt_ids],
+                prompt_ids=list(prompt),
                 token_ids=[],
                 logprobs=[],
                 finish_reason="length",
@@ -263,16 +276,7 @@ class HFEngine(ThreadedEngine):
                 token_versions=[],
                 params=p,
             )
-            seg = SamplingParams(
-                n=1,
-                temperature=p.temperature,
-                top_p=p.top_p,
-                max_tokens=p.max_tokens,
-                stop_token_ids=p.stop_token_ids,
-                seed=p.seed,
-                logprobs=p.logprobs,
-            )
-            items.append(_Work(comp, list(comp.prompt_ids), seg, _key_for(p, k, 0, self._rng)))
+            items.append(_Work(comp, list(prompt), seg, _key_for(p, k, 0, self._rng)))
         self._enqueue(items)
 
     def resume(self, partials: Sequence[Completion]) -> None:

@@ -164,6 +164,8 @@ except Exception:
 
 if HAVE_TRITON:
     _GUMBEL_BOUND = tl.constexpr(GUMBEL_BOUND)
+    _STEP = tl.constexpr(2.0**-23)  # between the hash's uniforms (23 bits)
+    _HALF_STEP = tl.constexpr(2.0**-24)
 
     @triton.jit
     def _attend(q, k_own, v_own, k_src, v_src, start, shared_end, end, sk_s, sv_s, m_i, l_i, acc, scale,
@@ -373,6 +375,7 @@ if HAVE_TRITON:
         BLOCK: tl.constexpr,
         SCREEN: tl.constexpr,
         REUSE_EXP: tl.constexpr,
+        BITCAST: tl.constexpr,
     ):
         r = tl.program_id(0)
         sp = tl.program_id(1)
@@ -381,7 +384,7 @@ if HAVE_TRITON:
         inv_t = tl.where(greedy, 1.0, 1.0 / tl.maximum(t, 1e-30))
         # at temperature 1 (RL's usual) the screen's exp(x - top) is the sum's exp(x - m) times one
         # number per block: one exp per element instead of two
-        unit_t = t == 1.0 if REUSE_EXP else t != t  # (t != t: false, a temperature is never NaN)
+        unit_t = t == 1.0
         seed = tl.load(SEEDS + r).to(tl.uint32)
         m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)  # running max of the chunk
         s = tl.zeros([BLOCK], tl.float32)  # per lane: sum of exp(x - m), reduced once at the end
@@ -405,29 +408,34 @@ if HAVE_TRITON:
             # largest noise falls short: skip the hash and the two logs (exact, see GUMBEL_BOUND).
             if xmax * inv_t + tl.where(greedy, 0.0, _GUMBEL_BOUND) >= top:
                 k = _fmix32_tl(seed ^ (v.to(tl.uint32) * 0x85EBCA77)) >> 9
-                # f = 1 + k / 2**23 exactly, by putting k's 23 bits under float32's exponent of 1:
-                # an OR instead of an int-to-float conversion (a quarter-rate instruction)
-                f = (k | 0x3F800000).to(tl.float32, bitcast=True)
+                # BITCAST: f = 1 + k / 2**23 exactly, k's 23 bits put under float32's exponent of 1
+                # (an OR instead of an int-to-float conversion, a quarter-rate instruction)
+                f = (k | 0x3F800000).to(tl.float32, bitcast=True) if BITCAST else k.to(tl.float32)
                 if SCREEN:
                     # x/T - log(E) beats ``top`` only if E = -log(u) < exp(x/T - top), and
                     # E >= 1 - u: so an element with 1 - u >= exp(x/T - top) cannot win (no log
                     # needed). 1 - u is exact in float32; the slack covers the rounding of the
                     # scores and of exp. Greedy rows need x > top.
-                    gap = (2.0 - f) - 5.9604644775390625e-08  # (2**23 - 0.5 - k) / 2**23, exact
+                    # (2**23 - 0.5 - k) / 2**23 either way, exactly
+                    gap = (2.0 - f) - _HALF_STEP if BITCAST else (8388607.5 - f) * _STEP
                     slack = 1e-3 + 4e-6 * tl.abs(top)
-                    if unit_t:
-                        # exp(x - top + slack) = e * exp(c). Past c = 60 every element is let
-                        # through: there a flushed e (x - m < -87) could hide a true value above
-                        # the smallest gap (6e-8); below it such a value is under exp(-27).
-                        c = m_new - top + slack
-                        chance = gap < tl.where(c > 60.0, 2.0, e * tl.exp(tl.minimum(c, 60.0)))
+                    if REUSE_EXP:
+                        if unit_t:
+                            # exp(x - top + slack) = e * exp(c). Past c = 60 every element is let
+                            # through: there a flushed e (x - m < -87) could hide a true value
+                            # above the smallest gap (6e-8); below it such a value is < exp(-27).
+                            c = m_new - top + slack
+                            chance = gap < tl.where(c > 60.0, 2.0, e * tl.exp(tl.minimum(c, 60.0)))
+                        else:
+                            chance = tl.where(greedy, x > top, gap < tl.exp(x * inv_t - top + slack))
                     else:
                         chance = tl.where(greedy, x > top, gap < tl.exp(x * inv_t - top + slack))
                     go = tl.max(chance.to(tl.int32), 0) > 0
                 else:
                     go = xmax > float("-inf")
                 if go:
-                    u = (f - 1.0) + 5.9604644775390625e-08  # (k + 0.5) / 2**23 exactly, as gumbel_noise
+                    # (k + 0.5) / 2**23 either way, exactly, as gumbel_noise
+                    u = (f - 1.0) + _HALF_STEP if BITCAST else (f + 0.5) * _STEP
                     g = -tl.log(-tl.log(u))
                     score = tl.where(greedy, x, x * inv_t + g)
                     score = tl.where(mask, score, float("-inf"))
@@ -647,6 +655,7 @@ class TritonSampler:
         block: int = 512,
         warps: int | None = None,
         reuse_exp: bool = True,
+        bitcast_uniform: bool = True,
     ) -> None:
         if not HAVE_TRITON:
             raise RuntimeError("triton is not importable")
@@ -657,7 +666,7 @@ class TritonSampler:
         if chunk is not None and (chunk <= 0 or chunk % block):
             raise ValueError(f"chunk {chunk} must be a positive multiple of the block ({block})")
         self.chunk, self.screen, self.vocab, self.block = chunk, screen, vocab, block
-        self.reuse_exp = reuse_exp
+        self.reuse_exp, self.bitcast_uniform = reuse_exp, bitcast_uniform
         # partials for the finest split any call can use
         shape = (max_rows, math.ceil(vocab / (chunk or min(self.CHUNKS))))
         self.p_m = torch.empty(shape, dtype=torch.float32, device=device)
@@ -693,7 +702,7 @@ class TritonSampler:
         _sample_split_kernel[(n, n_splits)](
             logits, logits.stride(0), temperature, seeds, p_m, p_s, p_best, p_idx, p_raw,
             v, n_splits, CHUNK=chunk, BLOCK=self.block, SCREEN=self.screen, REUSE_EXP=self.reuse_exp,
-            num_warps=self.warps,
+            BITCAST=self.bitcast_uniform, num_warps=self.warps,
         )  # fmt: skip
         _sample_combine_kernel[(n,)](
             p_m, p_s, p_best, p_idx, p_raw, tok, lp, n_splits, BLOCK_S=max(2, _next_pow2(n_splits)),

@@ -248,7 +248,8 @@ KERNEL_SCRIPT = textwrap.dedent(
     picks = {}
     for name, smp in (("on", K.TritonSampler(4, 20000, cpu)),
                       ("off", K.TritonSampler(4, 20000, cpu, screen=False)),
-                      ("two-exp", K.TritonSampler(4, 20000, cpu, reuse_exp=False))):
+                      ("two-exp", K.TritonSampler(4, 20000, cpu, reuse_exp=False)),
+                      ("int-to-float", K.TritonSampler(4, 20000, cpu, bitcast_uniform=False))):
         picks[name] = smp(x, t, seeds)[0].tolist()
     picks["reference"] = K.sample_tokens_ref(x, t, seeds)[0].tolist()
     out["screen_picks"] = picks
@@ -356,7 +357,8 @@ def test_triton_kernels_match_their_references_in_the_interpreter(
     assert out["peaked_same_tokens"] and out["peaked_lp_err"] < 1e-5
     assert out["extreme_hash_token"] == 0
     assert out["silu_err"] < 1e-5
-    assert out["screen_picks"] == {k: [7000, 5, 7000, 5] for k in ("on", "off", "two-exp", "reference")}
+    variants = ("on", "off", "two-exp", "int-to-float", "reference")
+    assert out["screen_picks"] == {k: [7000, 5, 7000, 5] for k in variants}
 
 
 def test_engine_with_triton_kernels_equals_engine_without(
