@@ -4,7 +4,8 @@ A background thread drives ``StaticDecoder`` over a fixed set of slots: it admit
 into free slots (one batched prefill per round, one forward per distinct prompt), keeps the live
 samples in the lowest rows (moving a sample down when that lets steps run over a smaller batch
 bucket), runs up to ``sync_every`` decode steps without looking at the host, then collects finished
-slots. Each chunk's new tokens are copied to the host behind the chunk (asynchronously on CUDA) and
+slots (their flags copied ``flag_lag`` steps before the chunk's end, so the host plans the next
+chunk while the GPU runs the last steps). Each chunk's new tokens are copied to the host behind the chunk (asynchronously on CUDA) and
 turned into Python lists while the next chunk runs, so collecting a finished batch costs one chunk's
 worth of list building, not the whole response's, while the GPU waits. ``submit``/``poll`` are
 therefore truly asynchronous; ``generate`` is submit-and-wait. ``abort_all`` pauses the loop at its
