@@ -267,9 +267,11 @@ def bench(
 SAMPLER_VARIANTS: dict[str, dict[str, Any]] = {
     "default": {},
     "no-screen": {"screen": False},
-    "two-exp": {"reuse_exp": False},  # temperature-1 rows screen with a second exp (until stop 36)
+    # temperature-1 rows screen with the log-sum-exp's exponentials: each row checked (a branch per
+    # block), or all rows taken to be at temperature 1 (the bench's are)
+    "reuse-exp": {"reuse_exp": 1},
+    "reuse-exp-all": {"reuse_exp": 2},
     "int-to-float": {"bitcast_uniform": False},  # the uniform from a conversion (until stop 36)
-    "stop35": {"reuse_exp": False, "bitcast_uniform": False},  # both, as until stop 36
     "chunk4k": {"chunk": 4096},
     "chunk8k": {"chunk": 8192},
     "chunk16k": {"chunk": 16384},

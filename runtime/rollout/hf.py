@@ -5,13 +5,13 @@ into free slots (one batched prefill per round, one forward per distinct prompt)
 samples in the lowest rows (moving a sample down when that lets steps run over a smaller batch
 bucket), runs up to ``sync_every`` decode steps without looking at the host, then collects finished
 slots (their flags copied ``flag_lag`` steps before the chunk's end, so the host plans the next
-chunk while the GPU runs the last steps). Each chunk's new tokens are copied to the host behind the chunk (asynchronously on CUDA) and
-turned into Python lists while the next chunk runs, so collecting a finished batch costs one chunk's
-worth of list building, not the whole response's, while the GPU waits. ``submit``/``poll`` are
-therefore truly asynchronous; ``generate`` is submit-and-wait. ``abort_all`` pauses the loop at its
-next sync point and hands back every unfinished sample with the tokens it has; ``resume``
-re-prefills prompt + those tokens (under whatever weights are loaded now) and continues with the
-remaining budget.
+chunk while the GPU runs the last steps). Each chunk's new tokens are copied to the host behind the
+chunk (asynchronously on CUDA) and turned into Python lists while the next chunk runs, so collecting
+a finished batch costs one chunk's worth of list building, not the whole response's, while the GPU
+waits. ``submit``/``poll`` are therefore truly asynchronous; ``generate`` is submit-and-wait.
+``abort_all`` pauses the loop at its next sync point and hands back every unfinished sample with the
+tokens it has; ``resume`` re-prefills prompt + those tokens (under whatever weights are loaded now)
+and continues with the remaining budget.
 """
 
 from __future__ import annotations

@@ -248,11 +248,19 @@ KERNEL_SCRIPT = textwrap.dedent(
     picks = {}
     for name, smp in (("on", K.TritonSampler(4, 20000, cpu)),
                       ("off", K.TritonSampler(4, 20000, cpu, screen=False)),
-                      ("two-exp", K.TritonSampler(4, 20000, cpu, reuse_exp=False)),
+                      ("reuse-exp", K.TritonSampler(4, 20000, cpu, reuse_exp=1)),
                       ("int-to-float", K.TritonSampler(4, 20000, cpu, bitcast_uniform=False))):
         picks[name] = smp(x, t, seeds)[0].tolist()
     picks["reference"] = K.sample_tokens_ref(x, t, seeds)[0].tolist()
     out["screen_picks"] = picks
+    # every row at temperature 1, no per-row check (rows 0 and 2 above)
+    rows = torch.tensor([0, 2])
+    smp = K.TritonSampler(2, 20000, cpu, reuse_exp=2)
+    out["reuse_all_picks"] = smp(x[rows], t[rows], seeds[rows])[0].tolist()
+    for mode in (1, 2):
+        smp = K.TritonSampler(6, 20000, cpu, reuse_exp=mode)
+        shape = {"rows": 6, "vocab": 20000, "dtype": torch.float32}
+        out[f"sample_reuse_{mode}"] = K.self_check("sample", smp, cpu, **shape)
     # the MLP's silu(gate) * up: rows x column blocks, a ragged last block
     gu = torch.randn(5, 2 * 1500, generator=g) * 3
     out["silu_err"] = float((K.silu_mul(gu) - K.silu_mul_ref(gu)).abs().max())
@@ -357,8 +365,10 @@ def test_triton_kernels_match_their_references_in_the_interpreter(
     assert out["peaked_same_tokens"] and out["peaked_lp_err"] < 1e-5
     assert out["extreme_hash_token"] == 0
     assert out["silu_err"] < 1e-5
-    variants = ("on", "off", "two-exp", "int-to-float", "reference")
+    variants = ("on", "off", "reuse-exp", "int-to-float", "reference")
     assert out["screen_picks"] == {k: [7000, 5, 7000, 5] for k in variants}
+    assert out["reuse_all_picks"] == [7000, 7000]
+    assert out["sample_reuse_1"] is None and out["sample_reuse_2"] is None
 
 
 def test_engine_with_triton_kernels_equals_engine_without(
