@@ -24,7 +24,10 @@ PROMPTS = [[1, 5, 6, 14, 7], [1, 9], [1, 4, 4, 4, 4, 4, 4, 4, 4, 12, 13]]
 
 @pytest.fixture(scope="module")
 def engine(tiny_model_dir: Path) -> HFEngine:
-    eng = make_engine("hf", tiny_model_dir, device="cpu", dtype="float32", num_slots=16, max_seq_len=512)
+    # flag_lag=1 as on a GPU: aborts, resumes and weight updates meet chunks whose flags were read early
+    eng = make_engine(
+        "hf", tiny_model_dir, device="cpu", dtype="float32", num_slots=16, max_seq_len=512, flag_lag=1
+    )
     assert isinstance(eng, HFEngine)
     yield eng
     eng.shutdown()
@@ -141,6 +144,7 @@ def test_abort_then_resume_under_new_weights(
             # Continuation logprobs are under the new weights, with the old tokens as prompt.
             tf = teacher_forced_logprobs(new, c.prompt_ids + c.token_ids[:k], c.token_ids[k:])
             assert torch.allclose(torch.tensor(c.logprobs[k:]), tf, atol=LOGPROB_ATOL)
+        assert engine.flag_reads["early"] > 0  # the chunks ran with the flags read a step early
     finally:
         engine.abort_all()  # a failed assertion must not leave samples that block the next test
         engine.poll()
