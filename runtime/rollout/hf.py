@@ -688,16 +688,30 @@ class HFEngine(ThreadedEngine):
         self._harvest = _Harvest([(w, w.slot, w.harvested) for w in active], n_gen, tok, lp, event)
 
     def _read_harvest(self, h: _Harvest, rows: set[int] | None = None) -> None:
-        """Move a harvest's tokens into the samples' completions (only ``rows``, if given)."""
+        """Move a harvest's tokens into the samples' completions (only ``rows``, if given: then only
+        those rows become Python lists, since collecting a few finished samples happens while the
+        GPU waits and the whole copy is read again behind the next chunk anyway)."""
         if h.event is not None:
             h.event.synchronize()
-        n_gen, toks, lps = h.n_gen.tolist(), h.tok.tolist(), h.lp.tolist()
-        for w, row, start in h.works:
-            n = n_gen[row]
-            if n <= w.harvested or (rows is not None and row not in rows):
+        works = h.works if rows is None else [x for x in h.works if x[1] in rows]
+        if not works:
+            return
+        if rows is None:
+            n_gen, toks, lps = h.n_gen.tolist(), h.tok.tolist(), h.lp.tolist()
+            at = list(range(len(n_gen)))  # row -> its line in the lists
+        else:
+            picked = [row for _, row, _ in works]
+            n_gen, toks, lps = (t[picked].tolist() for t in (h.n_gen, h.tok, h.lp))
+            at = [0] * (max(picked) + 1)
+            for j, row in enumerate(picked):
+                at[row] = j
+        for w, row, start in works:
+            j = at[row]
+            n = n_gen[j]
+            if n <= w.harvested:
                 continue
             a, b = w.harvested - start, n - start
-            w.completion.extend(toks[row][a:b], lps[row][a:b], w.version)
+            w.completion.extend(toks[j][a:b], lps[j][a:b], w.version)
             w.harvested = n
             self.tokens_by_route["harvest"] += b - a
 
