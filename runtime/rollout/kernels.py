@@ -382,8 +382,9 @@ if HAVE_TRITON:
         t = tl.load(TEMP + r)
         greedy = t <= 0.0
         inv_t = tl.where(greedy, 1.0, 1.0 / tl.maximum(t, 1e-30))
-        # at temperature 1 (RL's usual) the screen's exp(x - top) is the sum's exp(x - m) times one
-        # number per block: one exp per element instead of two
+        # REUSE_EXP: at temperature 1 (RL's usual) the screen's exp(x - top) is the sum's exp(x - m)
+        # times one number per block (one exp per element instead of two; off by default, see the
+        # class)
         unit_t = t == 1.0
         seed = tl.load(SEEDS + r).to(tl.uint32)
         m = tl.max(tl.full([BLOCK], float("-inf"), tl.float32), 0)  # running max of the chunk
