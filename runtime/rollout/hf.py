@@ -696,17 +696,14 @@ class HFEngine(ThreadedEngine):
         works = h.works if rows is None else [x for x in h.works if x[1] in rows]
         if not works:
             return
-        if rows is None:
+        if rows is None:  # every row: each sample's line is its row
             n_gen, toks, lps = h.n_gen.tolist(), h.tok.tolist(), h.lp.tolist()
-            at = list(range(len(n_gen)))  # row -> its line in the lists
-        else:
+            lines: Iterable[int] = (row for _, row, _ in works)
+        else:  # the picked rows only, in ``works``' order
             picked = [row for _, row, _ in works]
             n_gen, toks, lps = (t[picked].tolist() for t in (h.n_gen, h.tok, h.lp))
-            at = [0] * (max(picked) + 1)
-            for j, row in enumerate(picked):
-                at[row] = j
-        for w, row, start in works:
-            j = at[row]
+            lines = range(len(works))
+        for (w, _, start), j in zip(works, lines, strict=True):
             n = n_gen[j]
             if n <= w.harvested:
                 continue

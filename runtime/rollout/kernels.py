@@ -359,6 +359,19 @@ if HAVE_TRITON:
         return h ^ (h >> 16)
 
     @triton.jit
+    def _chance(gap, x, inv_t, top, slack, greedy):
+        """The screen per element: ``1 - u < exp(x / T - top + slack)`` (greedy rows: ``x > top``)."""
+        return tl.where(greedy, x > top, gap < tl.exp(x * inv_t - top + slack))
+
+    @triton.jit
+    def _chance_unit_t(gap, e, c):
+        """``_chance`` at temperature 1 from the log-sum-exp's ``e = exp(x - m)``: exp(x - top +
+        slack) = e * exp(c), c = m - top + slack. Past c = 60 every element is let through: there
+        a flushed e (x - m < -87) could hide a true value above the smallest gap (6e-8); below it
+        such a value is < exp(-27)."""
+        return gap < tl.where(c > 60.0, 2.0, e * tl.exp(tl.minimum(c, 60.0)))
+
+    @triton.jit
     def _sample_split_kernel(
         X,
         sx,
@@ -420,19 +433,15 @@ if HAVE_TRITON:
                     # (2**23 - 0.5 - k) / 2**23 either way, exactly
                     gap = (2.0 - f) - _HALF_STEP if BITCAST else (8388607.5 - f) * _STEP
                     slack = 1e-3 + 4e-6 * tl.abs(top)
-                    # exp(x - top + slack) = e * exp(c) at temperature 1. Past c = 60 every element
-                    # is let through: there a flushed e (x - m < -87) could hide a true value above
-                    # the smallest gap (6e-8); below it such a value is < exp(-27).
-                    c = m_new - top + slack
                     if REUSE_EXP == 2:  # every row at temperature 1 (the caller's promise)
-                        chance = gap < tl.where(c > 60.0, 2.0, e * tl.exp(tl.minimum(c, 60.0)))
+                        chance = _chance_unit_t(gap, e, m_new - top + slack)
                     elif REUSE_EXP == 1:
                         if unit_t:
-                            chance = gap < tl.where(c > 60.0, 2.0, e * tl.exp(tl.minimum(c, 60.0)))
+                            chance = _chance_unit_t(gap, e, m_new - top + slack)
                         else:
-                            chance = tl.where(greedy, x > top, gap < tl.exp(x * inv_t - top + slack))
+                            chance = _chance(gap, x, inv_t, top, slack, greedy)
                     else:
-                        chance = tl.where(greedy, x > top, gap < tl.exp(x * inv_t - top + slack))
+                        chance = _chance(gap, x, inv_t, top, slack, greedy)
                     go = tl.max(chance.to(tl.int32), 0) > 0
                 else:
                     go = xmax > float("-inf")
