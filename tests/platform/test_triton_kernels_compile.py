@@ -76,9 +76,17 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
         "X": "*bf16", "TEMP": "*fp32", "SEEDS": "*i64",
         **dict.fromkeys(("P_M", "P_S", "P_BEST", "P_RAW"), "*fp32"), "P_IDX": "*i32",
     }  # fmt: skip
-    for screen in (False, True):
-        consts = dict(CHUNK=8192, BLOCK=1024, SCREEN=screen)
-        out.append((f"sampling split screen={screen}", decode._sample_split_kernel, sample_ptrs, consts))
+    # the engine's settings (screen on and off), then the benchmark's A/B of the screen's maths
+    for screen, reuse, bitcast in (
+        (False, 0, True),
+        (True, 0, True),
+        (True, 1, True),
+        (True, 2, True),
+        (True, 0, False),
+    ):
+        consts = dict(CHUNK=8192, BLOCK=512, SCREEN=screen, REUSE_EXP=reuse, BITCAST=bitcast, num_warps=2)
+        name = f"sampling split screen={screen} reuse_exp={reuse} bitcast={bitcast}"
+        out.append((name, decode._sample_split_kernel, sample_ptrs, consts))
     pick_ptrs = {
         **dict.fromkeys(("P_M", "P_S", "P_BEST", "P_RAW", "LP"), "*fp32"), "P_IDX": "*i32", "TOK": "*i64",
     }  # fmt: skip
