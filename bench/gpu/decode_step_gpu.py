@@ -280,6 +280,11 @@ SAMPLER_VARIANTS: dict[str, dict[str, Any]] = {
     "block2k": {"block": 2048},
     # 16 entries per thread (stop 33: slower at 512 rows, 1,024-entry blocks 258.7 us, 2,048 292.6)
     "block1k-warps2": {"block": 1024, "warps": 2},
+    # inverse-CDF sampling (other tokens for the same seeds: compared with its own first variant)
+    "cdf": {"method": "cdf"},
+    "cdf-chunk8k": {"method": "cdf", "chunk": 8192},
+    "cdf-chunk32k": {"method": "cdf", "chunk": 32768},
+    "cdf-warps4": {"method": "cdf", "warps": 4},
 }
 
 
@@ -330,16 +335,17 @@ def bench_sampler(
     out = []
     for shape, logits in shapes.items():
         x = logits.to(dev, dtype)
-        want = None
+        want: dict[str, torch.Tensor] = {}  # per method, its first variant's tokens
         for name, sampler in samplers.items():
             tok, _ = sampler(x, temp, seeds)  # compiles
-            same = want is None or bool((tok == want).all())
-            want = tok if want is None else want
+            first = want.setdefault(sampler.method, tok)
+            same = bool((tok == first).all())
             times = _timed_calls(lambda sampler=sampler, x=x: sampler(x, temp, seeds), dev, calls, repeats)
             t = statistics.median(times)
             bound = x.numel() * x.element_size() / read_bps
             out.append({
-                "sampler": shape, "variant": name, "chunk": sampler.chunk_for(rows), "rows": rows,
+                "sampler": shape, "variant": name, "method": sampler.method, "chunk": sampler.chunk_for(rows),
+                "rows": rows,
                 "vocab": vocab, "us": 1e6 * t, "us_range": [1e6 * min(times), 1e6 * max(times)],
                 "fraction_of_read_bound": bound / t, "same_tokens_as_first_variant": same,
             })  # fmt: skip

@@ -54,6 +54,7 @@ from rlkube.runtime.rollout.hf_decode import (  # noqa: E402
     DOWN_SPLIT_K,
     GATED_MIN_ROWS_DEFAULT,
     LINEAR_MAX_ROWS_DEFAULT,
+    SAMPLING_DEFAULT,
 )
 
 
@@ -130,6 +131,7 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
         max_seq_len=max_seq,
         sync_every=args.sync_every,
         flag_lag=args.flag_lag,
+        sampling=args.sampling or SAMPLING_DEFAULT,
         compile_step={"auto": "auto", "on": True, "off": False, "max-autotune": "max-autotune"}[args.compile],
         kernels={"auto": "auto", "on": True, "off": False}[args.kernels],
         share_prompt_reads=args.share_prompt == "on",
@@ -221,6 +223,7 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
             "prefill_forwards": d.prefill_forwards - prefill0,
             "sync_every": engine.sync_every,
             "flag_lag": engine.flag_lag,
+            "sampling": engine.decoder.sampling,
             "flag_reads": {k: v - reads0[k] for k, v in engine.flag_reads.items()},
             # the call's wall time on the device's timeline: prefill and admission, decode chunks,
             # and the rest (the GPU idle while the host collects, plans and launches)
@@ -379,6 +382,10 @@ def main(argv: list[str] | None = None) -> int:
         "--flag-lag", type=int, default=None,
         help="steps before a chunk's end at which the host reads the finished flags (0: at the end; "
         "default: the engine's, 1 on a GPU)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--sampling", choices=["gumbel", "cdf"], default=None,
+        help="how tokens are drawn (hf_decode.SAMPLING_DEFAULT unless given)",
     )  # fmt: skip
     ap.add_argument("--compile", choices=["auto", "on", "off", "max-autotune"], default="auto")
     ap.add_argument("--kernels", choices=["auto", "on", "off"], default="auto")

@@ -44,6 +44,7 @@ from rlkube.runtime.rollout.hf_decode import (
     DOWN_SPLIT_K,
     GATED_MIN_ROWS_DEFAULT,
     LINEAR_MAX_ROWS_DEFAULT,
+    SAMPLING_DEFAULT,
     CompileSetting,
     KernelSetting,
     StaticDecoder,
@@ -145,6 +146,7 @@ class HFEngine(ThreadedEngine):
         down_split_min_rows: int | None = None,
         down_split_k: int = DOWN_SPLIT_K,
         gated_min_rows: int = GATED_MIN_ROWS_DEFAULT,
+        sampling: str = SAMPLING_DEFAULT,
         freeze_heap: bool = True,
         seed: int = 0,
         version: int = 0,
@@ -176,6 +178,7 @@ class HFEngine(ThreadedEngine):
             down_split_min_rows=down_split_min_rows,
             down_split_k=down_split_k,
             gated_min_rows=gated_min_rows,
+            sampling=sampling,
         )
         self.sync_every = sync_every or (16 if self.device.type == "cuda" else 4)
         # The finished flags are copied this many steps before a chunk's end, so the host plans the

@@ -89,6 +89,10 @@ GATED_MIN_ROWS_DEFAULT = 0
 DOWN_SPLIT_MIN_ROWS_DEFAULT = 256
 DOWN_SPLIT_MIN_INTERMEDIATE = 8192
 DOWN_SPLIT_K = 2
+# How a token is drawn (``kernels.SAMPLE_REFS``): "gumbel" (Gumbel-max, a hash per vocabulary
+# entry) or "cdf" (inverse CDF from per-block sums, one uniform per row). Both draw exactly from
+# softmax(logits / T); a seed gives different tokens under each.
+SAMPLING_DEFAULT = "gumbel"
 
 
 def auto_down_split_min_rows(intermediate_size: int, device_type: str, k: int = DOWN_SPLIT_K) -> int:
@@ -160,8 +164,12 @@ class StaticDecoder:
         down_split_min_rows: int | None = None,
         down_split_k: int = DOWN_SPLIT_K,
         gated_min_rows: int = GATED_MIN_ROWS_DEFAULT,
+        sampling: str = SAMPLING_DEFAULT,
     ) -> None:
         cfg: Any = model.config
+        if sampling not in kernels.SAMPLE_REFS:
+            raise ValueError(f"sampling must be one of {sorted(kernels.SAMPLE_REFS)}, not {sampling!r}")
+        self.sampling = sampling
         p = next(model.parameters())
         if down_split_min_rows is None:  # "auto": where it was measured to win
             inter = int(cfg.intermediate_size)
@@ -364,7 +372,7 @@ class StaticDecoder:
             )  # fmt: skip
             self._sampler = self._checked_kernel(
                 "sample",
-                lambda: kernels.TritonSampler(self.B, self.vocab, self.device),
+                lambda: kernels.TritonSampler(self.B, self.vocab, self.device, method=self.sampling),
                 rows=rows,
                 vocab=self.vocab,
             )
@@ -600,12 +608,12 @@ class StaticDecoder:
         """One token per row of ``logits`` [N, V]; returns (token, raw logprob float32).
         ``seeds_fn`` is ``kernels.row_seeds`` or its compiled copy (the decode step's)."""
         seeds = seeds_fn(keys, counters)
+        ref = kernels.SAMPLE_REFS[self.sampling]
         if use_top_p:
-            keep = kernels.top_p_keep(logits, temperature, top_p)
-            return kernels.sample_tokens_ref(logits, temperature, seeds, keep)
+            return ref(logits, temperature, seeds, kernels.top_p_keep(logits, temperature, top_p))
         if self._sampler is not None:
             return self._sampler(logits, temperature, seeds)
-        return kernels.sample_tokens_ref(logits, temperature, seeds)
+        return ref(logits, temperature, seeds)
 
     # ---- decode ----------------------------------------------------------------------------
     def bucket_for(self, rows: int) -> int:

@@ -103,6 +103,67 @@ def top_p_keep(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Ten
     return ~torch.zeros_like(drop_sorted).scatter(1, order, drop_sorted)
 
 
+# Inverse-CDF sampling (``sample_tokens_cdf_ref``) sums the vocabulary in blocks of this many entries,
+# whatever the kernel's launch: the block sums, and so the token a seed draws, do not depend on
+# how many rows share the batch.
+CDF_BLOCK = 512
+_CDF_SALT = 0x2545F491
+
+
+def cdf_uniform(seeds: torch.Tensor) -> torch.Tensor:
+    """One float32 uniform in (0, 1) per row seed: 23 bits of a hash, ``(k + 0.5) / 2**23``, exact in
+    float32 (with 24 bits the largest, ``2**24 - 0.5``, would round up to ``u == 1``)."""
+    k = fmix32(seeds ^ _CDF_SALT) >> 9
+    return (k.float() + 0.5) * (1.0 / 8388608.0)
+
+
+def sample_tokens_cdf_ref(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    seeds: torch.Tensor,
+    keep: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse-CDF sample per row of ``logits`` [N, V]: the same contract as ``sample_tokens_ref``.
+
+    One uniform per row (``cdf_uniform``) against the cumulative mass of ``softmax(logits / T)``,
+    found in two steps as the kernel does: the block of ``CDF_BLOCK`` entries where the cumulative
+    block sums pass ``u * total``, then the entry inside it. Each block's sum is taken relative to
+    its own maximum, so the weights need no second pass over the vocabulary; only the chosen block
+    is read again. Rounding can leave ``u * total`` past the last sum: the last entry of nonzero
+    mass is taken, so an impossible token never is.
+    """
+    x = logits.float()
+    n, v = x.shape
+    nb = -(-v // CDF_BLOCK)
+    greedy = temperature <= 0
+    inv_t = torch.where(greedy, torch.ones_like(temperature), 1.0 / temperature.clamp_min(1e-30))
+    xs = x if keep is None else x.masked_fill(~keep, float("-inf"))
+    blocks = F.pad(xs, (0, nb * CDF_BLOCK - v), value=float("-inf")).view(n, nb, CDF_BLOCK)
+    mb = blocks.amax(-1)
+    mb_safe = torch.where(mb == float("-inf"), torch.zeros_like(mb), mb)
+    e = torch.exp((blocks - mb_safe[..., None]) * inv_t[:, None, None])
+    mm = mb.amax(-1, keepdim=True)
+    w = e.sum(-1) * torch.exp((mb - mm) * inv_t[:, None])
+    idx_b = torch.arange(nb, device=x.device)
+    target = cdf_uniform(seeds) * w.sum(-1)
+    last_b = torch.where(w > 0, idx_b, -1).amax(-1)
+    b = torch.minimum((w.cumsum(-1) <= target[:, None]).sum(-1), last_b)
+    before = torch.where(idx_b < b[:, None], w, 0.0).sum(-1)
+    scale = torch.exp((mb.gather(1, b[:, None])[:, 0] - mm[:, 0]) * inv_t)
+    eb = e[torch.arange(n, device=x.device), b]
+    idx_i = torch.arange(CDF_BLOCK, device=x.device)
+    last_i = torch.where(eb > 0, idx_i, -1).amax(-1)
+    i = torch.minimum((eb.cumsum(-1) <= ((target - before) / scale)[:, None]).sum(-1), last_i)
+    tok = torch.where(greedy, xs.argmax(-1), b * CDF_BLOCK + i)
+    lp = x.gather(1, tok[:, None])[:, 0] - torch.logsumexp(x, -1)
+    return tok, lp
+
+
+# the sampling methods (``HFEngine(sampling=...)``): each reference; ``TritonSampler(method=...)``
+# runs the same maths on GPUs
+SAMPLE_REFS = {"gumbel": sample_tokens_ref, "cdf": sample_tokens_cdf_ref}
+
+
 def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """Rotate-half RoPE: ``rotate_half(x) * sin == roll(x, D/2) * signed_sin``, three kernels, not six."""
     return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
@@ -166,6 +227,7 @@ if HAVE_TRITON:
     _GUMBEL_BOUND = tl.constexpr(GUMBEL_BOUND)
     _STEP = tl.constexpr(2.0**-23)  # between the hash's uniforms (23 bits)
     _HALF_STEP = tl.constexpr(2.0**-24)
+    _CDF_SALT_TL = tl.constexpr(_CDF_SALT)
 
     @triton.jit
     def _attend(q, k_own, v_own, k_src, v_src, start, shared_end, end, sk_s, sv_s, m_i, l_i, acc, scale,
@@ -487,6 +549,74 @@ if HAVE_TRITON:
         tl.store(LP + r, x - mm - tl.log(total))
 
     @triton.jit
+    def _cdf_blocks_kernel(X, sx, TEMP, P_M, P_S, P_T, V, NB, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        """Per ``BLOCK`` entries of one chunk of a row: the largest logit ``m``, ``sum exp(x - m)``
+        (the log-probability's) and ``sum exp((x - m) / T)`` (the sampling weight's; the same sum
+        at temperature 1 and for greedy rows, so one exponential per entry there)."""
+        r = tl.program_id(0)
+        start = tl.program_id(1) * CHUNK
+        end = tl.minimum(start + CHUNK, V)
+        t = tl.load(TEMP + r)
+        inv_t = 1.0 / tl.maximum(t, 1e-30)
+        o = r * NB + start // BLOCK
+        if (t == 1.0) | (t <= 0.0):
+            for v0 in range(start, end, BLOCK):
+                v = v0 + tl.arange(0, BLOCK)
+                x = tl.load(X + r * sx + v, mask=v < end, other=float("-inf")).to(tl.float32)
+                mb = tl.max(x, 0)
+                s = tl.sum(tl.exp(x - tl.where(mb == float("-inf"), 0.0, mb)), 0)
+                tl.store(P_M + o, mb)
+                tl.store(P_S + o, s)
+                tl.store(P_T + o, s)
+                o += 1
+        else:
+            for v0 in range(start, end, BLOCK):
+                v = v0 + tl.arange(0, BLOCK)
+                x = tl.load(X + r * sx + v, mask=v < end, other=float("-inf")).to(tl.float32)
+                mb = tl.max(x, 0)
+                d = x - tl.where(mb == float("-inf"), 0.0, mb)
+                tl.store(P_M + o, mb)
+                tl.store(P_S + o, tl.sum(tl.exp(d), 0))
+                tl.store(P_T + o, tl.sum(tl.exp(d * inv_t), 0))
+                o += 1
+
+    @triton.jit
+    def _cdf_pick_kernel(
+        X, sx, TEMP, SEEDS, P_M, P_S, P_T, TOK, LP, V, NB, BLOCK_NB: tl.constexpr, BLOCK: tl.constexpr
+    ):
+        """One row: the log-sum-exp from the block sums, the block where the cumulative sampling
+        weight passes ``u * total``, then the entry inside it (``sample_tokens_cdf_ref``'s maths)."""
+        r = tl.program_id(0)
+        t = tl.load(TEMP + r)
+        greedy = t <= 0.0
+        inv_t = tl.where(greedy, 1.0, 1.0 / tl.maximum(t, 1e-30))
+        nb = tl.arange(0, BLOCK_NB)
+        m = tl.load(P_M + r * NB + nb, mask=nb < NB, other=float("-inf"))
+        s = tl.load(P_S + r * NB + nb, mask=nb < NB, other=0.0)
+        st = tl.load(P_T + r * NB + nb, mask=nb < NB, other=0.0)
+        mm = tl.max(m, 0)
+        lse = mm + tl.log(tl.sum(s * tl.exp(m - mm), 0))
+        w = st * tl.exp((m - mm) * inv_t)
+        k = _fmix32_tl(tl.load(SEEDS + r).to(tl.uint32) ^ _CDF_SALT_TL) >> 9
+        target = (k.to(tl.float32) + 0.5) * _STEP * tl.sum(w, 0)
+        big = 2147483647
+        last_b = tl.max(tl.where(w > 0.0, nb, -1), 0)
+        b = tl.minimum(tl.sum((tl.cumsum(w, 0) <= target).to(tl.int32), 0), last_b)
+        b = tl.where(greedy, tl.min(tl.where(m == mm, nb, big), 0), b)
+        before = tl.sum(tl.where(nb < b, w, 0.0), 0)
+        mb = tl.max(tl.where(nb == b, m, float("-inf")), 0)
+        scale = tl.exp((mb - mm) * inv_t)
+        v = b * BLOCK + tl.arange(0, BLOCK)
+        x = tl.load(X + r * sx + v, mask=v < V, other=float("-inf")).to(tl.float32)
+        e = tl.exp((x - tl.where(mb == float("-inf"), 0.0, mb)) * inv_t)
+        last_i = tl.max(tl.where(e > 0.0, v, -1), 0)
+        inside = tl.sum((tl.cumsum(e, 0) <= (target - before) / scale).to(tl.int32), 0)
+        tok = tl.minimum(b * BLOCK + inside, last_i)
+        tok = tl.where(greedy, tl.min(tl.where(x == mm, v, big), 0), tok)
+        tl.store(TOK + r, tok.to(tl.int64))
+        tl.store(LP + r, tl.sum(tl.where(v == tok, x, 0.0), 0) - lse)
+
+    @triton.jit
     def _silu_mul_kernel(GU, OUT, n_cols, s_gu, s_out, BLOCK: tl.constexpr):
         """``silu(gate) * up`` of one row's [gate | up] block, in float32, rounded once."""
         r = tl.program_id(0)
@@ -671,9 +801,13 @@ class TritonSampler:
         warps: int | None = None,
         reuse_exp: int = 0,
         bitcast_uniform: bool = True,
+        method: str = "gumbel",
     ) -> None:
         if not HAVE_TRITON:
             raise RuntimeError("triton is not importable")
+        if method not in SAMPLE_REFS:
+            raise ValueError(f"method {method!r} must be one of {sorted(SAMPLE_REFS)}")
+        self.method = method
         # 8 vocabulary entries per thread unless told (the benchmark's launch A/B)
         self.warps = warps or block // 256
         if block < 256 or block & (block - 1) or min(self.CHUNKS) % block:
@@ -691,6 +825,9 @@ class TritonSampler:
         self.p_best = torch.empty(shape, dtype=torch.float32, device=device)
         self.p_idx = torch.empty(shape, dtype=torch.int32, device=device)
         self.p_raw = torch.empty(shape, dtype=torch.float32, device=device)
+        if method == "cdf":  # per CDF_BLOCK: max, log-probability sum, sampling-weight sum
+            self.n_blocks = math.ceil(vocab / CDF_BLOCK)
+            self.p_cdf = torch.empty((3, max_rows * self.n_blocks), dtype=torch.float32, device=device)
 
     def chunk_for(self, rows: int) -> int:
         """Vocabulary entries per program: the largest of ``CHUNKS`` that still gives
@@ -710,6 +847,8 @@ class TritonSampler:
         assert logits.stride(-1) == 1 and v == self.vocab
         chunk = self.chunk_for(n)
         n_splits = math.ceil(v / chunk)
+        if self.method == "cdf":
+            return self._cdf(logits, temperature, seeds, chunk, n_splits)
         # the partials are laid out [row, split] with this call's split count
         p_m, p_s, p_best, p_idx, p_raw = (
             p.view(-1)[: n * n_splits] for p in (self.p_m, self.p_s, self.p_best, self.p_idx, self.p_raw)
@@ -723,6 +862,23 @@ class TritonSampler:
         )  # fmt: skip
         _sample_combine_kernel[(n,)](
             p_m, p_s, p_best, p_idx, p_raw, tok, lp, n_splits, BLOCK_S=max(2, _next_pow2(n_splits)),
+        )  # fmt: skip
+        return tok, lp
+
+    def _cdf(
+        self, logits: torch.Tensor, temperature: torch.Tensor, seeds: torch.Tensor, chunk: int, n_splits: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        n, v = logits.shape
+        p_m, p_s, p_t = (p[: n * self.n_blocks] for p in self.p_cdf)
+        tok = torch.empty(n, dtype=torch.long, device=logits.device)
+        lp = torch.empty(n, dtype=torch.float32, device=logits.device)
+        _cdf_blocks_kernel[(n, n_splits)](
+            logits, logits.stride(0), temperature, p_m, p_s, p_t, v, self.n_blocks, CHUNK=chunk,
+            BLOCK=CDF_BLOCK, num_warps=self.warps,
+        )  # fmt: skip
+        _cdf_pick_kernel[(n,)](
+            logits, logits.stride(0), temperature, seeds, p_m, p_s, p_t, tok, lp, v, self.n_blocks,
+            BLOCK_NB=_next_pow2(self.n_blocks), BLOCK=CDF_BLOCK, num_warps=4,
         )  # fmt: skip
         return tok, lp
 
@@ -797,7 +953,7 @@ def self_check(kind: str, fn: Any, device: torch.device, **shape: Any) -> str | 
                 temp[:] = 1.0
             seeds = torch.randint(0, 2**32, (rows,), generator=g).to(device)
             tok, lp = fn(x, temp, seeds)
-            want_tok, want_lp = sample_tokens_ref(x, temp, seeds)
+            want_tok, want_lp = SAMPLE_REFS[fn.method](x, temp, seeds)
             same = float((tok == want_tok).float().mean())
             lp_err = float((lp - want_lp).abs().max())
             if same < 0.99 or lp_err > 1e-3:

@@ -91,6 +91,15 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
         **dict.fromkeys(("P_M", "P_S", "P_BEST", "P_RAW", "LP"), "*fp32"), "P_IDX": "*i32", "TOK": "*i64",
     }  # fmt: skip
     out.append(("sampling combine", decode._sample_combine_kernel, pick_ptrs, dict(BLOCK_S=32)))
+    # inverse-CDF sampling: the block sums (2 warps, as the engine's policy launches them), the pick
+    cdf_ptrs = {
+        "X": "*bf16", "TEMP": "*fp32", "SEEDS": "*i64", "TOK": "*i64",
+        **dict.fromkeys(("P_M", "P_S", "P_T", "LP"), "*fp32"),
+    }  # fmt: skip
+    consts = dict(CHUNK=16384, BLOCK=decode.CDF_BLOCK, num_warps=2)
+    out.append(("cdf sampling blocks", decode._cdf_blocks_kernel, cdf_ptrs, consts))
+    consts = dict(BLOCK_NB=512, BLOCK=decode.CDF_BLOCK)
+    out.append(("cdf sampling pick", decode._cdf_pick_kernel, cdf_ptrs, consts))
     out.append(("silu mul", decode._silu_mul_kernel, {"GU": "*bf16", "OUT": "*bf16"}, dict(BLOCK=1024)))
     lin_ptrs = {
         **dict.fromkeys(("X", "W", "NORM_W", "BIAS", "OUT"), "*bf16"),

@@ -94,16 +94,17 @@ def _mixed_length_requests() -> list[RolloutRequest]:
     ]
 
 
-def test_finished_samples_free_their_rows_and_the_batch_shrinks(model: Any) -> None:
+@pytest.mark.parametrize("sampling", sorted(kernels.SAMPLE_REFS))
+def test_finished_samples_free_their_rows_and_the_batch_shrinks(model: Any, sampling: str) -> None:
     """24 samples of 3, 11 and 29 tokens: steps move from 24 rows to 16 to 8, live samples are
-    moved down, and every sample is exactly what it is when decoded alone."""
+    moved down, and every sample is exactly what it is when decoded alone (either sampler)."""
     reqs = _mixed_length_requests()
-    with HFEngine(model=model, num_slots=24, max_seq_len=64, sync_every=2) as eng:
+    with HFEngine(model=model, num_slots=24, max_seq_len=64, sync_every=2, sampling=sampling) as eng:
         together = eng.generate(reqs)
         used = eng.decoder.steps_by_bucket
         assert set(used) == {8, 16, 24} and used[8] > used[24]  # the long tail runs on 8 rows
         assert eng.decoder.rows_moved > 0
-    with HFEngine(model=model, num_slots=2, max_seq_len=64) as eng:
+    with HFEngine(model=model, num_slots=2, max_seq_len=64, sampling=sampling) as eng:
         alone = [eng.generate([r]) for r in reqs]
     flat = [c for out in alone for c in out]
     assert [c.token_ids for c in together] == [c.token_ids for c in flat]
@@ -279,16 +280,21 @@ ENGINE_SCRIPT = textwrap.dedent(
     model = AutoModelForCausalLM.from_config(tiny_qwen2_config(40, hidden_size=128, num_heads=2)).eval()
     reqs = [RolloutRequest(f"r{i}_{m}", p, SamplingParams(n=2, max_tokens=m, seed=i * 10 + m))
             for i, p in enumerate([[1, 5, 6, 7], [1, 9, 8]]) for m in (3, 9)]
-    outs = {}
-    for k in (False, True):
-        with HFEngine(model=model, num_slots=8, max_seq_len=32, kernels=k, linear_max_rows=8) as eng:
-            outs[k] = (eng.generate(reqs), eng.decoder.kernels_used)
-    a, b = outs[False][0], outs[True][0]
-    err = max(max(abs(x - y) for x, y in zip(p.logprobs, q.logprobs)) for p, q in zip(a, b))
-    tf = max(float((teacher_forced_logprobs(model, c.prompt_ids, c.token_ids)
-                    - torch.tensor(c.logprobs)).abs().max()) for c in b)
-    same = [c.token_ids for c in a] == [c.token_ids for c in b]
-    print(json.dumps({"kernels": outs[True][1], "same_tokens": same, "lp_err": err, "tf_err": tf}))
+    res = {}
+    for sampling in ("gumbel", "cdf"):
+        outs = {}
+        for k in (False, True):
+            with HFEngine(model=model, num_slots=8, max_seq_len=32, kernels=k, linear_max_rows=8,
+                          sampling=sampling) as eng:
+                outs[k] = (eng.generate(reqs), eng.decoder.kernels_used)
+        a, b = outs[False][0], outs[True][0]
+        err = max(max(abs(x - y) for x, y in zip(p.logprobs, q.logprobs)) for p, q in zip(a, b))
+        tf = max(float((teacher_forced_logprobs(model, c.prompt_ids, c.token_ids)
+                        - torch.tensor(c.logprobs)).abs().max()) for c in b)
+        same = [c.token_ids for c in a] == [c.token_ids for c in b]
+        res[sampling] = {"kernels": outs[True][1], "same_tokens": same, "lp_err": err, "tf_err": tf,
+                         "tokens": [c.token_ids for c in b]}
+    print(json.dumps(res))
     """
 )
 
@@ -371,13 +377,75 @@ def test_triton_kernels_match_their_references_in_the_interpreter(
     assert out["sample_reuse_1"] is None and out["sample_reuse_2"] is None
 
 
+CDF_SCRIPT = textwrap.dedent(
+    """
+    import json, torch
+    from rlkube.runtime.rollout import kernels as K
+    cpu = torch.device("cpu")
+    out = {}
+    for dtype in (torch.float32, torch.float16):
+        smp = K.TritonSampler(6, 20000, cpu, method="cdf")
+        out[f"check_{dtype}"] = K.self_check("sample", smp, cpu, rows=6, vocab=20000, dtype=dtype)
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(8, 20000, generator=g) * 4
+    x[2, :1536] = float("-inf")  # whole blocks without mass
+    x[5, 19990:] = float("-inf")
+    seeds = K.row_seeds(torch.arange(8) * 131, torch.arange(8))
+    t = torch.tensor([0.0, 0.5, 1.0, 1.0, 1.5, 2.0, 1.0, 0.7])
+    rtok, rlp = K.sample_tokens_cdf_ref(x, t, seeds)
+    out["ref_tokens"] = rtok.tolist()
+    # the launch (entries per program, warps) must not change a token: the block sums are fixed
+    launches = (("8k", {"chunk": 8192}), ("16k", {"chunk": 16384}), ("1k-w4", {"chunk": 1024, "warps": 4}))
+    for name, kw in launches:
+        tok, lp = K.TritonSampler(8, 20000, cpu, method="cdf", **kw)(x, t, seeds)
+        out[f"tokens_{name}"] = tok.tolist()
+        out[f"lp_err_{name}"] = float((lp - rlp).abs().max())
+    # u at its largest, 1 - 2**-24, with the mass on token 3, 1.1e-7 of it on token 4 and the rest of
+    # the vocabulary at -inf: the top of the CDF is token 4, never a token without mass
+    x = torch.full((1, 20000), float("-inf"))
+    x[0, 3] = 0.0
+    x[0, 4] = -16.0
+    tok, _ = K.TritonSampler(1, 20000, cpu, method="cdf")(x, torch.ones(1), torch.tensor([TOP_U_SEED]))
+    out["top_u_token"] = tok.item()
+    out["top_u_ref"] = K.sample_tokens_cdf_ref(x, torch.ones(1), torch.tensor([TOP_U_SEED]))[0].item()
+    print(json.dumps(out))
+    """
+)
+
+
+def _cdf_seed_with_u_bits(k: int) -> int:
+    """A row seed whose ``cdf_uniform`` takes the 23 bits ``k`` (the hash inverted)."""
+    from .test_sampler_distribution import _inverse_fmix32
+
+    return _inverse_fmix32((k << 9) | 0x1FF) ^ kernels._CDF_SALT
+
+
+def test_the_cdf_kernel_draws_the_references_tokens_whatever_its_launch(
+    triton_interpret: Callable[[str], dict[str, Any]],
+) -> None:
+    """Inverse-CDF sampling (interpreter): the kernel passes its self-check, draws the reference's
+    tokens at every temperature (greedy included) and with blocks of no mass, whatever the entries
+    per program, and never draws a token of zero probability when ``u`` is at its largest."""
+    seed = _cdf_seed_with_u_bits(2**23 - 1)
+    assert float(kernels.cdf_uniform(torch.tensor([seed]))) == 1 - 2**-24
+    out = triton_interpret(CDF_SCRIPT.replace("TOP_U_SEED", str(seed)))
+    assert out["check_torch.float32"] is None and out["check_torch.float16"] is None, out
+    for name in ("8k", "16k", "1k-w4"):
+        assert out[f"tokens_{name}"] == out["ref_tokens"], (name, out)
+        assert out[f"lp_err_{name}"] < 1e-5
+    assert out["ref_tokens"][2] >= 1536 and out["ref_tokens"][5] < 19990
+    assert out["top_u_token"] == out["top_u_ref"] == 4
+
+
 def test_engine_with_triton_kernels_equals_engine_without(
     triton_interpret: Callable[[str], dict[str, Any]],
 ) -> None:
-    out = triton_interpret(ENGINE_SCRIPT)
+    res = triton_interpret(ENGINE_SCRIPT)
     on = dict.fromkeys(("attention", "sampling", "silu", "linear"), "triton")
-    assert out["kernels"] == {**on, "gated": "torch"}  # gated_min_rows not asked for
-    assert out["same_tokens"] and out["lp_err"] < 1e-5 and out["tf_err"] < LOGPROB_ATOL
+    for sampling, out in res.items():  # Gumbel-max, then the inverse CDF
+        assert out["kernels"] == {**on, "gated": "torch"}, sampling  # gated_min_rows not asked for
+        assert out["same_tokens"] and out["lp_err"] < 1e-5 and out["tf_err"] < LOGPROB_ATOL, (sampling, out)
+    assert res["gumbel"]["tokens"] != res["cdf"]["tokens"]  # two samplers, so other draws for one seed
 
 
 # Kernels on in both engines; the second runs gate/up + SiLU as one GEMM (SiLU in its epilogue)

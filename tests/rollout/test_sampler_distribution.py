@@ -1,4 +1,4 @@
-"""The one-pass Gumbel-max sampler draws exactly from softmax(logits / T), token after token.
+"""Both samplers (Gumbel-max, inverse CDF) draw exactly from softmax(logits / T), token after token.
 
 Seeds are pinned (the sampler is a pure function of logits and seeds), so every statistic here is
 one fixed number: the bounds sit six standard deviations above a chi-square's mean, far from what a
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
 from rlkube.runtime.rollout import kernels
@@ -64,20 +65,27 @@ def test_extreme_hashes_give_finite_noise_and_never_pick_an_impossible_token() -
     assert tok.tolist() == [0] and abs(float(lp)) < 1e-6
 
 
-def test_token_frequencies_match_softmax_over_temperature() -> None:
+@pytest.mark.parametrize("method", sorted(kernels.SAMPLE_REFS))
+def test_token_frequencies_match_softmax_over_temperature(method: str) -> None:
+    """17 tokens, then 1,300 (three of the inverse CDF's blocks, the last one ragged)."""
     g = torch.Generator().manual_seed(0)
-    vocab, n = 17, 200_000
+    n = 200_000
     seeds = kernels.row_seeds(torch.arange(n) * 7919 + 12345, torch.zeros(n, dtype=torch.long))
-    for scale, temp in ((0.5, 1.0), (2.0, 1.0), (2.0, 0.7), (4.0, 1.3)):
+    sample = kernels.SAMPLE_REFS[method]
+    cases = ((17, 0.5, 1.0, n), (17, 2.0, 1.0, n), (17, 2.0, 0.7, n), (17, 4.0, 1.3, n))
+    cases += ((1300, 1.0, 0.8, n // 4),)
+    for vocab, scale, temp, draws in cases:
         logits = torch.randn(vocab, generator=g) * scale
-        tok, lp = kernels.sample_tokens_ref(logits.expand(n, -1), torch.full((n,), temp), seeds)
-        stat, df = _chi2(torch.bincount(tok, minlength=vocab), n * torch.softmax(logits.double() / temp, -1))
-        assert stat < _chi2_bound(df), (scale, temp, stat, df)
+        tok, lp = sample(logits.expand(draws, -1), torch.full((draws,), temp), seeds[:draws])
+        want = draws * torch.softmax(logits.double() / temp, -1)
+        stat, df = _chi2(torch.bincount(tok, minlength=vocab), want)
+        assert stat < _chi2_bound(df), (vocab, scale, temp, stat, df)
         # the log-probability returned is the raw one (before temperature) of the token chosen
         assert torch.allclose(lp, torch.log_softmax(logits, -1)[tok], atol=1e-6)
 
 
-def test_tokens_of_a_sample_and_samples_of_a_group_are_independent() -> None:
+@pytest.mark.parametrize("method", sorted(kernels.SAMPLE_REFS))
+def test_tokens_of_a_sample_and_samples_of_a_group_are_independent(method: str) -> None:
     """Joint frequencies of (token i, token i+1) of one sample, and of (sample j, sample k) of one
     prompt, equal the product of the marginals: the streams the trainer's seeds give do not repeat."""
     g = torch.Generator().manual_seed(1)
@@ -90,7 +98,7 @@ def test_tokens_of_a_sample_and_samples_of_a_group_are_independent() -> None:
     toks = []
     for counter in range(3):
         seeds = kernels.row_seeds(keys, torch.full((n,), counter, dtype=torch.long))
-        toks.append(kernels.sample_tokens_ref(logits.expand(n, -1), torch.ones(n), seeds)[0])
+        toks.append(kernels.SAMPLE_REFS[method](logits.expand(n, -1), torch.ones(n), seeds)[0])
 
     def joint(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int]:
         counts = torch.zeros(vocab * vocab, dtype=torch.long).index_add_(0, a * vocab + b, torch.ones_like(a))
