@@ -48,6 +48,7 @@ from rlkube.runtime.rollout.hf_decode import (
     CompileSetting,
     KernelSetting,
     StaticDecoder,
+    to_device,
 )
 from rlkube.runtime.rollout.registry import model_config_overrides, spec_dtype
 
@@ -81,6 +82,7 @@ class _Harvest:
     n_gen: torch.Tensor  # [rows] host copies
     tok: torch.Tensor  # [rows, width]
     lp: torch.Tensor  # [rows, width]
+    stopped: torch.Tensor  # [rows] bool: finished on a stop token
     event: Any  # a CUDA event after the copies (None on the CPU: they were synchronous)
 
 
@@ -208,6 +210,11 @@ class HFEngine(ThreadedEngine):
         self.harvest_tokens = harvest_tokens
         self._harvest: _Harvest | None = None  # the newest chunk's, not yet fully read
         self._harvest_prev: _Harvest | None = None  # the chunk before it's, read while this one runs
+        self._chunk_harvest: _Harvest | None = None  # the harvest of the chunk just launched, if any
+        # samples seen finished in a chunk's early flags: their rows are free already; they are
+        # completed from that chunk's harvest once it has landed (sample, harvest, its row there)
+        self._finishing: list[tuple[_Work, _Harvest, int]] = []
+        self.finished_from_harvest = 0  # samples completed that way, without a read of the device
         # two sets of host buffers (each row's first column, n_gen, tokens, logprobs), alternating
         # between chunks, and each row's columns to gather on the device
         self._harvest_bufs: list[tuple[torch.Tensor, ...] | None] = [None, None]
@@ -294,7 +301,7 @@ class HFEngine(ThreadedEngine):
 
     def num_in_flight(self) -> int:
         with self._cv:
-            return len(self._waiting) + sum(w is not None for w in self._slots)
+            return len(self._waiting) + sum(w is not None for w in self._slots) + len(self._finishing)
 
     def abort_all(self) -> list[Completion]:
         """Stop everything in flight; return the partial samples (finish_reason "abort")."""
@@ -417,7 +424,7 @@ class HFEngine(ThreadedEngine):
             self._cv.notify_all()
 
     def _has_work_locked(self) -> bool:
-        return bool(self._waiting) or any(w is not None for w in self._slots)
+        return bool(self._waiting) or bool(self._finishing) or any(w is not None for w in self._slots)
 
     def _in_flight_locked(self, ids: set[str]) -> bool:
         return self._has_work_locked()
@@ -457,6 +464,7 @@ class HFEngine(ThreadedEngine):
             e._pause += 1
             while e._busy:
                 e._cv.wait()
+            e._complete_finishing()  # whoever paused sees every finished sample delivered
 
         def __exit__(self, *exc: object) -> None:
             e = self.eng
@@ -572,10 +580,10 @@ class HFEngine(ThreadedEngine):
                 rows.append(
                     [g, w.slot, w.key, w.params.max_tokens, len(w.prefix), *stop, *[-1] * (width - len(stop))]
                 )
-        ints = torch.tensor(rows, dtype=torch.long).to(dev)
+        ints = to_device(torch.tensor(rows, dtype=torch.long), dev)
         top_p_host = [w.params.top_p for w in works]
         temperature = [w.params.temperature for w in works]
-        floats = torch.tensor([temperature, top_p_host], dtype=torch.float32).to(dev)
+        floats = to_device(torch.tensor([temperature, top_p_host], dtype=torch.float32), dev)
         src, idx, keys, max_new, plen = ints[:, :5].unbind(1)
         stops, temp, top_p = ints[:, 5:], floats[0], floats[1]
         logits = d.prefill([list(p) for p in prefixes], [[w.slot for w in groups[p]] for p in prefixes])
@@ -620,6 +628,7 @@ class HFEngine(ThreadedEngine):
         # the step before which the finished flags are copied (none when the chunk is too short)
         early = steps - self.flag_lag if steps > self.flag_lag > 0 else -1
         self._flags = None
+        self._chunk_harvest = None
         done = 0
         for j in range(steps):
             if self._pause:
@@ -668,9 +677,10 @@ class HFEngine(ThreadedEngine):
                 torch.empty(max(rows, have_rows), dtype=torch.long, pin_memory=pin),
                 torch.empty(max(size, have), dtype=torch.long, pin_memory=pin),
                 torch.empty(max(size, have), dtype=torch.float32, pin_memory=pin),
+                torch.empty(max(rows, have_rows), dtype=torch.bool, pin_memory=pin),
             )
             self._harvest_bufs[k] = bufs
-        s_buf, n_buf, t_buf, l_buf = bufs
+        s_buf, n_buf, t_buf, l_buf, st_buf = bufs
         starts = [0] * rows
         for w in active:
             starts[w.slot] = w.harvested
@@ -683,12 +693,15 @@ class HFEngine(ThreadedEngine):
         n_gen.copy_(s.n_gen[:rows], non_blocking=pin)
         tok.copy_(s.out_tok[:rows].gather(1, cols), non_blocking=pin)
         lp.copy_(s.out_lp[:rows].gather(1, cols), non_blocking=pin)
+        stopped = st_buf[:rows]
+        stopped.copy_(s.stopped[:rows], non_blocking=pin)
         event = None
         if pin:
             event = torch.cuda.Event()
             event.record()
         self._harvest_prev = self._harvest
-        self._harvest = _Harvest([(w, w.slot, w.harvested) for w in active], n_gen, tok, lp, event)
+        self._harvest = _Harvest([(w, w.slot, w.harvested) for w in active], n_gen, tok, lp, stopped, event)
+        self._chunk_harvest = self._harvest
 
     def _read_harvest(self, h: _Harvest, rows: set[int] | None = None) -> None:
         """Move a harvest's tokens into the samples' completions (only ``rows``, if given: then only
@@ -738,11 +751,13 @@ class HFEngine(ThreadedEngine):
         if self._harvest_prev is not None:
             self._read_harvest(self._harvest_prev)
             self._harvest_prev = None
+        self._complete_finishing()  # their harvests are older than this chunk's: landed
         slots = [i for i, w in enumerate(self._slots) if w is not None]
         if not slots:
             return
         flags, self._flags = self._flags, None
-        if flags is not None and not self._pause and flags[0] > slots[-1]:
+        early = flags is not None and not self._pause and flags[0] > slots[-1]
+        if flags is not None and early:
             # the early copy: samples still running then are looked at again after the next chunk
             if flags[1] is not None:
                 flags[1].synchronize()
@@ -752,8 +767,37 @@ class HFEngine(ThreadedEngine):
             running = self.decoder.state.running[: slots[-1] + 1].tolist()  # one copy, no index upload
             self.flag_reads["end"] += 1
         done = [i for i in slots if not running[i]]
-        if done:
+        harvest = self._chunk_harvest
+        if done and early and harvest is not None:
+            # Their tokens are all in this chunk's harvest (queued behind its last step): free the
+            # rows now and complete the samples from it after the next chunk is launched, so the
+            # host plans that chunk while the GPU finishes this one instead of waiting for it.
+            for i in done:
+                w = self._slots[i]
+                assert w is not None
+                self._finishing.append((w, harvest, i))
+                self._slots[i] = None
+            self._shares_stale = True
+            if len(done) == len(slots) and not self._waiting:  # nothing left to launch: finish now
+                self._complete_finishing()
+        elif done:
             self._finished.extend(self._collect(done, aborted=False))
+
+    def _complete_finishing(self) -> None:
+        """Complete the samples whose rows were freed at an early flag read, from their harvest
+        (waiting for it only when nothing else runs: the end of the work, or a pause)."""
+        if not self._finishing:
+            return
+        by_harvest: dict[int, tuple[_Harvest, set[int]]] = {}
+        for _, h, row in self._finishing:
+            by_harvest.setdefault(id(h), (h, set()))[1].add(row)
+        for h, rows in by_harvest.values():
+            self._read_harvest(h, rows)  # nothing left to read once the whole copy was
+        for w, h, row in self._finishing:
+            w.completion.finish_reason = "stop" if bool(h.stopped[row]) else "length"
+            self._finished.append(w.completion)
+        self.finished_from_harvest += len(self._finishing)
+        self._finishing = []
 
     def _collect(self, slots: list[int], aborted: bool) -> list[Completion]:
         """Move the slots' tokens into their completions and free the slots: what the harvests

@@ -95,6 +95,15 @@ DOWN_SPLIT_K = 2
 SAMPLING_DEFAULT = "gumbel"
 
 
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on ``device`` without the host waiting for the stream: a copy from pageable
+    memory synchronises with everything queued before it (on a decode boundary, the chunk still
+    running), one from pinned memory does not (torch keeps the pinned block until the copy ran)."""
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
 def auto_down_split_min_rows(intermediate_size: int, device_type: str, k: int = DOWN_SPLIT_K) -> int:
     """The ``down_split_min_rows`` the decoder uses when it is not given: where it was measured to win."""
     wide = intermediate_size >= DOWN_SPLIT_MIN_INTERMEDIATE and intermediate_size % k == 0
@@ -573,7 +582,8 @@ class StaticDecoder:
         host += [s for grp in groups for s in grp]
         host += [i for i, grp in enumerate(groups) for _ in grp]
         n = sum(len(grp) for grp in groups)
-        ids, lens, slot_idx, src = torch.tensor(host, dtype=torch.long).to(dev).split([g * P, g, n, n])
+        packed = to_device(torch.tensor(host, dtype=torch.long), dev)
+        ids, lens, slot_idx, src = packed.split([g * P, g, n, n])
         f = self._functions(compiled=self.compiled and self.compiled_prefill)
         # rows [g * P, H], as the decode step's (whose compiled functions can serve here too)
         x = self.inner.embed_tokens(ids.view(g, P)).view(g * P, -1)
@@ -712,8 +722,10 @@ class StaticDecoder:
         n, s = len(share_row), self.state
         if len(share_len) != n or n > self.B:
             raise ValueError(f"share_row and share_len must have the same length <= {self.B} rows")
-        s.share_row.copy_(torch.cat([torch.tensor(share_row, dtype=torch.long), torch.arange(n, self.B)]))
-        s.share_len.copy_(torch.tensor([*share_len, *[0] * (self.B - n)], dtype=torch.long))
+        rows = torch.cat([torch.tensor(share_row, dtype=torch.long), torch.arange(n, self.B)])
+        s.share_row.copy_(to_device(rows, self.device))
+        lens = torch.tensor([*share_len, *[0] * (self.B - n)], dtype=torch.long)
+        s.share_len.copy_(to_device(lens, self.device))
 
     @torch.no_grad()
     def decode(self, nb: int, kv_len: int = 0) -> None:
@@ -805,8 +817,8 @@ class StaticDecoder:
         if not src:
             return
         self.rows_moved += len(src)
-        s_idx = torch.tensor(list(src), dtype=torch.long, device=self.device)
-        d_idx = torch.tensor(list(dst), dtype=torch.long, device=self.device)
+        s_idx = to_device(torch.tensor(list(src), dtype=torch.long), self.device)
+        d_idx = to_device(torch.tensor(list(dst), dtype=torch.long), self.device)
         upto = min(max(upto, 1), self.S)
         for kc, vc in zip(self.k_cache, self.v_cache, strict=True):
             kc[d_idx, :, :upto] = kc[s_idx, :, :upto]

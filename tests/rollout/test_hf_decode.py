@@ -141,16 +141,19 @@ def test_finished_flags_read_before_the_chunk_ends_give_the_same_samples(model: 
     """The host reads the finished flags ``flag_lag`` steps before a chunk's end and plans the next
     chunk while those steps run: samples that stop in them are collected a chunk later, with the
     same tokens and finish reasons as when the flags are read at the end, and log-probs to float32
-    rounding (rows stay longer, so some steps run over a larger batch bucket)."""
+    rounding (rows stay longer, so some steps run over a larger batch bucket). Samples seen
+    finished in the early flags free their rows at once and are completed from the chunk's token
+    copy, read once the next chunk runs (nothing read from the device for them)."""
     reqs = _mixed_length_requests() + [
         RolloutRequest(f"s{i}", [1, 3 + i], SamplingParams(n=3, max_tokens=25, stop_token_ids=[7], seed=i))
         for i in range(4)
     ]
-    out, reads = {}, {}
+    out, reads, early, routes = {}, {}, {}, {}
     for lag in (0, 1, 3):
         with HFEngine(model=model, num_slots=16, max_seq_len=64, sync_every=4, flag_lag=lag) as eng:
             out[lag] = eng.generate(reqs)
             reads[lag] = dict(eng.flag_reads)
+            early[lag], routes[lag] = eng.finished_from_harvest, dict(eng.tokens_by_route)
     fields = ("request_id", "sample_index", "token_ids", "token_versions", "finish_reason")
     want = [tuple(getattr(c, f) for f in fields) for c in out[0]]
     assert {c.finish_reason for c in out[0]} == {"stop", "length"}
@@ -159,7 +162,9 @@ def test_finished_flags_read_before_the_chunk_ends_give_the_same_samples(model: 
         for a, b in zip(out[0], out[lag], strict=True):
             assert torch.allclose(torch.tensor(a.logprobs), torch.tensor(b.logprobs), atol=1e-5)
         assert reads[lag]["early"] > reads[lag]["end"] > 0, reads[lag]  # the end: short chunks, the last
-    assert reads[0]["early"] == 0
+        assert early[lag] > 18, early  # most of the 36 samples
+        assert routes[lag] == routes[0] == {"harvest": sum(len(c.token_ids) for c in out[0]), "collect": 0}
+    assert reads[0]["early"] == 0 and early[0] == 0
     with pytest.raises(ValueError, match="flag_lag"):
         HFEngine(model=model, num_slots=2, max_seq_len=64, flag_lag=-1)
 
