@@ -17,8 +17,9 @@ only every few steps.
   or a kernel that failed its start-up self-check) SDPA runs over a 128-aligned KV prefix bucket
   with a mask, after RoPE and the cache write in PyTorch.
 - **Sampling in one pass**: Gumbel-max over the logits, token and raw log-probability from one
-  read of the vocabulary (a Triton kernel on GPUs; the same maths in PyTorch elsewhere). Top-p,
-  when a slot asks for it, adds a sort.
+  read of the vocabulary (a Triton kernel on GPUs; the same maths in PyTorch elsewhere), or
+  inverse-CDF sampling from per-block sums (``sampling="cdf"``). Top-p, when a slot asks for it,
+  adds a sort.
 - **Batched prefill**: one forward for every distinct prompt admitted together (right-padded, so
   plain causal attention is exact for every real position); each prompt's KV goes to all of its
   samples' slots: one prefill per prompt group, not per sample. The attention kernel reads a

@@ -23,6 +23,9 @@ bandwidth on the 1.5B shape).
   ``logit / T`` plus the largest possible noise cannot reach the best score found so far, and the
   two logs for a block where no element's hash leaves it a chance (``1 - u`` bounds ``-log(u)``
   from below); both exact, and past the first blocks of a chunk most of the vocabulary.
+  ``sample_tokens_cdf_ref`` (and ``TritonSampler(method="cdf")``) draws by inverse CDF instead:
+  one uniform per row, block sums of ``CDF_BLOCK`` entries in one pass with one exponential per
+  entry, then one block per row read again; no per-entry hash.
 
 Row seeds come from ``row_seeds(key, counter)``: the counter is the token's index in its sample.
 """
