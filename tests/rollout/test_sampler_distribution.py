@@ -113,3 +113,20 @@ def test_tokens_of_a_sample_and_samples_of_a_group_are_independent(method: str) 
     for name, (a, b) in pairs.items():
         stat, df = joint(a, b)
         assert stat < _chi2_bound(df), (name, stat, df)
+
+
+def test_the_cdf_kernels_start_up_check_accepts_correct_draws_and_refuses_wrong_ones() -> None:
+    """The check a GPU runs before using the inverse-CDF kernel: the reference's draws pass (in
+    float64, with a slack for float32 sums), a token moved out of its row's interval, a wrong greedy
+    token or a wrong log-probability do not."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(8, 3000, generator=g) * 3
+    temp = torch.tensor([0.0, 1.0, 1.0, 0.7, 1.3, 1.0, 2.0, 1.0])
+    seeds = torch.randint(0, 2**32, (8,), generator=g)
+    tok, lp = kernels.sample_tokens_cdf_ref(x, temp, seeds)
+    assert kernels._cdf_check(x, temp, seeds, tok, lp) is None
+    for row, shift in ((1, 1500), (0, 1)):  # a sampled row, the greedy row
+        bad = tok.clone()
+        bad[row] = (bad[row] + shift) % 3000
+        assert "1 of 8 tokens off" in str(kernels._cdf_check(x, temp, seeds, bad, lp))
+    assert "logprob error" in str(kernels._cdf_check(x, temp, seeds, tok, lp + 0.01))
