@@ -71,8 +71,12 @@ def gumbel_noise(seeds: torch.Tensor, vocab: int) -> torch.Tensor:
     # With 24 bits the top value 2**24 - 0.5 rounds to 2**24, u == 1.0 and the noise is +inf: one
     # element in 2**24 (about one token in a hundred over a 152k vocabulary) would win whatever
     # its probability.
-    u = ((h >> 9).float() + 0.5) * (1.0 / 8388608.0)
-    return -torch.log(-torch.log(u))
+    return -torch.log(-torch.log(_uniform23(h)))
+
+
+def _uniform23(h: torch.Tensor) -> torch.Tensor:
+    """``(k + 0.5) / 2**23`` from the top 23 bits ``k`` of 32-bit hashes: exact in float32, in (0, 1)."""
+    return ((h >> 9).float() + 0.5) * (1.0 / 8388608.0)
 
 
 def sample_tokens_ref(
@@ -115,10 +119,8 @@ _CDF_SALT = 0x2545F491
 
 
 def cdf_uniform(seeds: torch.Tensor) -> torch.Tensor:
-    """One float32 uniform in (0, 1) per row seed: 23 bits of a hash, ``(k + 0.5) / 2**23``, exact in
-    float32 (with 24 bits the largest, ``2**24 - 0.5``, would round up to ``u == 1``)."""
-    k = fmix32(seeds ^ _CDF_SALT) >> 9
-    return (k.float() + 0.5) * (1.0 / 8388608.0)
+    """One float32 uniform in (0, 1) per row seed, from 23 bits of a hash (``gumbel_noise`` says why 23)."""
+    return _uniform23(fmix32(seeds ^ _CDF_SALT))
 
 
 def sample_tokens_cdf_ref(
