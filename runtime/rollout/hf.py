@@ -757,7 +757,8 @@ class HFEngine(ThreadedEngine):
             return
         flags, self._flags = self._flags, None
         early = flags is not None and not self._pause and flags[0] > slots[-1]
-        if flags is not None and early:
+        if early:
+            assert flags is not None
             # the early copy: samples still running then are looked at again after the next chunk
             if flags[1] is not None:
                 flags[1].synchronize()
@@ -791,10 +792,12 @@ class HFEngine(ThreadedEngine):
         by_harvest: dict[int, tuple[_Harvest, set[int]]] = {}
         for _, h, row in self._finishing:
             by_harvest.setdefault(id(h), (h, set()))[1].add(row)
-        for h, rows in by_harvest.values():
+        stopped: dict[int, list[bool]] = {}
+        for key, (h, rows) in by_harvest.items():
             self._read_harvest(h, rows)  # nothing left to read once the whole copy was
+            stopped[key] = h.stopped.tolist()  # one list per harvest, not a tensor index per sample
         for w, h, row in self._finishing:
-            w.completion.finish_reason = "stop" if bool(h.stopped[row]) else "length"
+            w.completion.finish_reason = "stop" if stopped[id(h)][row] else "length"
             self._finished.append(w.completion)
         self.finished_from_harvest += len(self._finishing)
         self._finishing = []
