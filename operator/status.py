@@ -309,6 +309,36 @@ def _cluster_condition(cluster: Mapping[str, Any], type_: str) -> str | None:
     return None
 
 
+def _quantity(value: Any) -> int:
+    try:
+        return int(str(value))
+    except ValueError:
+        return 0
+
+
+def spec_gpus(cluster: Mapping[str, Any]) -> int:
+    """GPUs the RayCluster's spec asks for: replicas x hosts x the GPU limits of each pod's
+    containers (resources named ``*gpu``, as KubeRay counts them), head included.
+
+    Why: KubeRay fills ``status.desiredGPU`` in a later reconcile than the one that sees the pods
+    ready, so the summary would lack the count for a moment; the spec has it from the start.
+    """
+    spec = cluster.get("spec") or {}
+    groups = [(spec.get("headGroupSpec") or {}, 1)]
+    groups += [
+        (g, int(g.get("replicas", 0) or 0) * int(g.get("numOfHosts", 1) or 1))
+        for g in spec.get("workerGroupSpecs") or ()
+    ]
+    total = 0
+    for group, pods in groups:
+        containers = ((group.get("template") or {}).get("spec") or {}).get("containers") or ()
+        for c in containers:
+            res = c.get("resources") or {}
+            wanted = res.get("limits") or res.get("requests") or {}
+            total += pods * sum(_quantity(v) for k, v in wanted.items() if str(k).lower().endswith("gpu"))
+    return total
+
+
 def cluster_ready(cluster: Mapping[str, Any] | None, pods: Sequence[Mapping[str, Any]]) -> tuple[bool, str]:
     """Whether the RayCluster's head and every desired worker are ready, with a one-line summary.
 
@@ -334,8 +364,10 @@ def cluster_ready(cluster: Mapping[str, Any] | None, pods: Sequence[Mapping[str,
         sum(1 for p in workers if _pod_ready(p)) if workers else int(st.get("readyWorkerReplicas", 0) or 0)
     )
     gpus = st.get("desiredGPU")
+    if gpus in (None, ""):
+        gpus = str(spec_gpus(cluster))
     summary = f"head {'ready' if head_ready else 'not ready'}, {ready_workers}/{desired} workers ready"
-    if gpus not in (None, "", "0"):
+    if gpus != "0":
         summary += f", {gpus} GPUs"
     return head_ready and ready_workers >= int(desired), summary
 

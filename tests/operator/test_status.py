@@ -95,6 +95,25 @@ def test_provisioning_then_cluster_ready_then_running() -> None:
     assert run.phase == "Running" and conds(run)["Running"][0] == "True"
 
 
+def test_cluster_ready_counts_gpus_from_the_spec_before_kuberay_reports_them() -> None:
+    """KubeRay sets status.desiredGPU a reconcile after the pods are ready; the count is there anyway."""
+    c = cluster(workers=2)
+    del c["status"]["desiredGPU"]
+    gpu_pod = {
+        "spec": {
+            "containers": [{"name": "ray-worker", "resources": {"limits": {"amd.com/gpu": "4", "cpu": "8"}}}]
+        }
+    }
+    c["spec"]["workerGroupSpecs"][0].update(template=gpu_pod)
+    c["spec"]["headGroupSpec"] = {"template": {"spec": {"containers": [{"name": "ray-head"}]}}}
+    d = derive(obs(ray_job=ray_job(), ray_cluster=c, pods=[pod("h", "head"), pod("w1"), pod("w2")]), now=NOW)
+    assert conds(d)["ClusterReady"][:2] == ("True", "RayClusterReady")
+    assert conds(d)["ClusterReady"][2].endswith("2/2 workers ready, 8 GPUs")
+    c["spec"]["workerGroupSpecs"][0]["template"] = {"spec": {"containers": [{"name": "cpu-only"}]}}
+    d = derive(obs(ray_job=ray_job(), ray_cluster=c, pods=[pod("h", "head"), pod("w1"), pod("w2")]), now=NOW)
+    assert "GPUs" not in conds(d)["ClusterReady"][2]
+
+
 def test_unschedulable_message_from_the_scheduler_reaches_the_condition() -> None:
     sched = "0/4 nodes are available: 4 Insufficient amd.com/gpu. preemption: not helpful"
     w = pod(
