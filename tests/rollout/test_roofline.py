@@ -9,6 +9,7 @@ from rlkube.runtime.models.roofline import (
     decode_step_bytes,
     decode_step_flops,
     model_cost,
+    prefill_flops,
     rollout_bound,
     update_flops,
 )
@@ -85,3 +86,15 @@ def test_update_flops_count_real_tokens_and_causal_attention() -> None:
     f = update_flops(cost, [100, 300])
     attn = 6 * cost.layers * cost.heads * cost.head_dim * (100**2 + 300**2)
     assert f == 6 * cost.matmul_params * 400 + attn
+
+
+def test_prefill_runs_the_lm_head_on_the_last_position_only() -> None:
+    cost = model_cost(qwen2_like_config("1.5b"))
+    head = cost.vocab * cost.hidden
+    body_flops = 2 * (cost.matmul_params - head)
+    attn = 2 * cost.layers * cost.heads * cost.head_dim  # per squared position
+    assert prefill_flops(cost, 64) == body_flops * 64 + 2 * head + attn * 64 * 64
+    # with prompt groups, each group's prefill is of its own prompt's length
+    bw, flops = 4e12, 800e12
+    b = rollout_bound(cost, [64, 64, 320, 320], [8, 8, 8, 8], bw, flops, prompt_groups=[0, 0, 1, 1])
+    assert b["prefill_seconds"] == pytest.approx((prefill_flops(cost, 64) + prefill_flops(cost, 320)) / flops)
