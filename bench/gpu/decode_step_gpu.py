@@ -377,6 +377,12 @@ ATTENTION_VARIANTS: dict[str, dict[str, Any]] = {
     "split64": {"split": 64},
     "split128": {"split": 128},
     "split64w4s2": {"split": 64, "launch": {"num_warps": 4, "num_stages": 2}},
+    # the grouped kernel: one program per group of rows reading one prompt copy (hf_decode's
+    # grouped_attention_min_rows), with Triton's defaults or 8 warps / 2 stages
+    "grouped": {"grouped": {}},
+    "grouped-w8": {"grouped": {"num_warps": 8}},
+    "grouped-w8s2": {"grouped": {"num_warps": 8, "num_stages": 2}},
+    "grouped-s2": {"grouped": {"num_stages": 2}},
 }
 # (rows, context of every row, cache length) per shape: today's job (64 rows), the batch-512 target,
 # and long RL responses (contexts spread over [context / 2, 3 context / 2])
@@ -435,10 +441,18 @@ def bench_attention(
             att = kernels.TritonDecodeAttention(rows, n_kv, group, d, seq, dev)
             att.block_n, att.launch = cfg.get("block_n", 64), cfg.get("launch")
             split = cfg.get("split")
+            groups = None
+            if "grouped" in cfg:
+                att.grouped_min_rows, att.grouped_launch = 1, cfg["grouped"]
+                table = kernels.attention_group_tensors(
+                    lead.tolist(), shared.tolist(), rows, att.members, att.block_n
+                )
+                groups = tuple(t.to(dev) for t in table)
 
             call = functools.partial(
-                att.rope_attend, *inputs, n_heads, split=split, share_row=lead_d, share_len=shared_d
-            )
+                att.rope_attend, *inputs, n_heads, split=split, share_row=lead_d, share_len=shared_d,
+                groups=groups,
+            )  # fmt: skip
             try:
                 got = call().float()
                 times = _timed_calls(call, dev, calls, repeats)

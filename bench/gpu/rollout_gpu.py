@@ -53,6 +53,7 @@ from rlkube.runtime.rollout.hf import HFEngine, teacher_forced_logprobs  # noqa:
 from rlkube.runtime.rollout.hf_decode import (  # noqa: E402
     DOWN_SPLIT_K,
     GATED_MIN_ROWS_DEFAULT,
+    GROUPED_ATTENTION_MIN_ROWS_DEFAULT,
     LINEAR_MAX_ROWS_DEFAULT,
     SAMPLING_DEFAULT,
 )
@@ -140,6 +141,11 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
         down_split_min_rows=args.down_split_min_rows,  # None: the decoder's own rule
         down_split_k=DOWN_SPLIT_K if args.down_split_k is None else args.down_split_k,
         gated_min_rows=GATED_MIN_ROWS_DEFAULT if args.gated_min_rows is None else args.gated_min_rows,
+        grouped_attention_min_rows=(
+            GROUPED_ATTENTION_MIN_ROWS_DEFAULT
+            if args.grouped_attention_min_rows is None
+            else args.grouped_attention_min_rows
+        ),
         freeze_heap=args.freeze_heap == "on",
     )
     engine.decoder.compiled_prefill = args.prefill == "compiled"
@@ -210,6 +216,7 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
             "down_split_min_rows": d.down_split_min_rows,
             "down_split_k": d.down_split_k,
             "gated_min_rows": d.gated_min_rows,
+            "grouped_attention_min_rows": d.grouped_attention_min_rows,
             "harvest_tokens": engine.harvest_tokens,
             "kernel_errors": d.kernel_errors,
             "graphs_captured": len(d._graphs),
@@ -415,6 +422,11 @@ def main(argv: list[str] | None = None) -> int:
         "--gated-min-rows", type=int, default=None,
         help="buckets of at least this many rows run gate/up + SiLU as one Triton GEMM (0: never; "
         "default: the engine's, hf_decode.GATED_MIN_ROWS_DEFAULT)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--grouped-attention-min-rows", type=int, default=None,
+        help="buckets of at least this many rows run the grouped attention kernel (0: never; default: "
+        "the engine's, hf_decode.GROUPED_ATTENTION_MIN_ROWS_DEFAULT)",
     )  # fmt: skip
     ap.add_argument(
         "--down-split-k", type=int, default=None,

@@ -43,6 +43,7 @@ from rlkube.runtime.rollout.base import (
 from rlkube.runtime.rollout.hf_decode import (
     DOWN_SPLIT_K,
     GATED_MIN_ROWS_DEFAULT,
+    GROUPED_ATTENTION_MIN_ROWS_DEFAULT,
     LINEAR_MAX_ROWS_DEFAULT,
     SAMPLING_DEFAULT,
     CompileSetting,
@@ -149,6 +150,7 @@ class HFEngine(ThreadedEngine):
         down_split_k: int = DOWN_SPLIT_K,
         gated_min_rows: int = GATED_MIN_ROWS_DEFAULT,
         sampling: str = SAMPLING_DEFAULT,
+        grouped_attention_min_rows: int = GROUPED_ATTENTION_MIN_ROWS_DEFAULT,
         freeze_heap: bool = True,
         seed: int = 0,
         version: int = 0,
@@ -181,6 +183,7 @@ class HFEngine(ThreadedEngine):
             down_split_k=down_split_k,
             gated_min_rows=gated_min_rows,
             sampling=sampling,
+            grouped_attention_min_rows=grouped_attention_min_rows,
         )
         self.sync_every = sync_every or (16 if self.device.type == "cuda" else 4)
         # The finished flags are copied this many steps before a chunk's end, so the host plans the

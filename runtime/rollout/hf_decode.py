@@ -96,6 +96,11 @@ DOWN_SPLIT_K = 2
 # sampled 512 rows in 71.5 us against Gumbel's 177.0 (64 rows: 16.1 against 33.9), and the b512
 # rollout went from 37.7 to 39.6% of its bound at 0.5B and 47.9 to 48.9% at 1.5B.
 SAMPLING_DEFAULT = "cdf"
+# Batch buckets of at least this many rows run the grouped attention kernel (one program per group
+# of up to 8 rows that read one prompt copy: the prompt's K/V read once per group, not once per
+# row from L2) where the whole cache fits one split (``TritonDecodeAttention.DIRECT_MAX_SEQ``).
+# 0: never (one program per row and KV head).
+GROUPED_ATTENTION_MIN_ROWS_DEFAULT = 0
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -177,6 +182,7 @@ class StaticDecoder:
         down_split_k: int = DOWN_SPLIT_K,
         gated_min_rows: int = GATED_MIN_ROWS_DEFAULT,
         sampling: str = SAMPLING_DEFAULT,
+        grouped_attention_min_rows: int = GROUPED_ATTENTION_MIN_ROWS_DEFAULT,
     ) -> None:
         cfg: Any = model.config
         if sampling not in kernels.SAMPLE_REFS:
@@ -199,6 +205,12 @@ class StaticDecoder:
                 f"gated_min_rows must be an integer >= 0 (0: cuBLAS, then the SiLU kernel), "
                 f"not {gated_min_rows!r}"
             )
+        if not (isinstance(grouped_attention_min_rows, int) and grouped_attention_min_rows >= 0):
+            raise ValueError(
+                "grouped_attention_min_rows must be an integer >= 0 (0: one attention program per "
+                f"row), not {grouped_attention_min_rows!r}"
+            )
+        self.grouped_attention_min_rows = grouped_attention_min_rows
         if not (isinstance(down_split_k, int) and down_split_k >= 2):
             raise ValueError(f"down_split_k must be an integer >= 2, not {down_split_k!r}")
         if down_split_min_rows and cfg.intermediate_size % down_split_k:
@@ -273,6 +285,15 @@ class StaticDecoder:
         self._graphs: dict[tuple[int, int, bool], torch.cuda.CUDAGraph] = {}
         self._pool: Any = None
         self._init_kernels(kernels_setting, linear_max_rows, gated_min_rows)
+        # the grouped attention kernel's table (``kernels.attention_groups``), rewritten in place
+        # by ``set_shared_prompts``; None while no step runs that kernel
+        self._groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        if self._attention is not None and self.grouped_attention_min_rows:
+            att = self._attention
+            alone = kernels.attention_group_tensors(
+                list(range(self.B)), [0] * self.B, self.B, att.members, att.block_n
+            )
+            self._groups = (alone[0].to(dev), alone[1].to(dev), alone[2].to(dev))
         if compile_step not in COMPILE_SETTINGS:
             allowed = "True, False, 'auto' or 'max-autotune'"
             raise ValueError(f"compile_step must be {allowed}, not {compile_step!r}")
@@ -374,9 +395,7 @@ class StaticDecoder:
             rows = min(self.B, 8)
             self._attention = self._checked_kernel(
                 "attention",
-                lambda: kernels.TritonDecodeAttention(
-                    self.B, self.n_kv, self.group, self.head_dim, self.S, self.device
-                ),
+                self._make_attention,
                 rows=rows, n_kv=self.n_kv, group=self.group, d=self.head_dim, seq=min(self.S, 700),
                 # the step always passes the shared-prompt rows (a row that shares nothing reads its
                 # own), so the variant without them, never launched here, is not compiled to check it
@@ -416,6 +435,11 @@ class StaticDecoder:
             raise RuntimeError(f"decode kernels unavailable: {self.kernel_errors}")
         for k, v in self.kernel_errors.items():
             log.warning("decode kernel %s unavailable, using PyTorch: %s", k, v)
+
+    def _make_attention(self) -> kernels.TritonDecodeAttention:
+        att = kernels.TritonDecodeAttention(self.B, self.n_kv, self.group, self.head_dim, self.S, self.device)
+        att.grouped_min_rows = self.grouped_attention_min_rows  # its self-check covers the grouped kernel too
+        return att
 
     def _checked_kernel(
         self, kind: str, make: Callable[[], Any], check: Callable[..., str | None] | None = None, **shape: Any
@@ -670,7 +694,7 @@ class StaticDecoder:
             if att_kernel is not None:  # RoPE, the K/V write and attention in one kernel
                 att = att_kernel.rope_attend(
                     qkv, self.cos, self.sin, pos, kc, vc, self.n_heads,
-                    share_row=s.share_row[:nb], share_len=s.share_len[:nb],
+                    share_row=s.share_row[:nb], share_len=s.share_len[:nb], groups=self._groups,
                 )  # fmt: skip
             else:
                 att = kernels.rope_attention_ref(qkv, self.cos, self.sin, pos, kc, vc, self.n_heads, kv_len)
@@ -729,6 +753,13 @@ class StaticDecoder:
         s.share_row.copy_(to_device(rows, self.device))
         lens = torch.tensor([*share_len, *[0] * (self.B - n)], dtype=torch.long)
         s.share_len.copy_(to_device(lens, self.device))
+        if self._groups is not None:  # the same rows, as groups for the grouped kernel
+            table = kernels.attention_group_tensors(
+                [*share_row, *range(n, self.B)], [*share_len, *[0] * (self.B - n)], self.B,
+                self._attention.members, self._attention.block_n,
+            )  # fmt: skip
+            for dst, src in zip(self._groups, table, strict=True):
+                dst.copy_(to_device(src, self.device))
 
     @torch.no_grad()
     def decode(self, nb: int, kv_len: int = 0) -> None:

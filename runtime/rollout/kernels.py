@@ -220,6 +220,63 @@ def decode_attention_ref(
     return F.scaled_dot_product_attention(q, k_cache[:b, :, :kv_len], v_cache[:b, :, :kv_len], attn_mask=mask)
 
 
+def group_members_max(group: int) -> int:
+    """Rows per program of the grouped attention kernel: as many as keep its query tile (rows x
+    query heads per KV head) at 64 rows, at most 16."""
+    return max(1, min(16, 64 // _next_pow2(group)))
+
+
+def attention_groups(
+    share_row: list[int], share_len: list[int], rows: int, members: int, block_n: int
+) -> tuple[list[list[int]], list[int], list[int]]:
+    """The grouped attention kernel's table: rows that read one prompt copy, in groups of at most
+    ``members``; every row in ``[0, rows)`` in exactly one group (a row that shares nothing, or
+    that is past ``share_row``'s length, alone).
+
+    ``share_row`` / ``share_len`` are ``StaticDecoder.set_shared_prompts``'s: row ``r`` reads
+    positions below ``share_len[r]`` from row ``share_row[r]`` (its group's first row, whose own
+    ``share_len`` is 0). Returns ``(groups, src, shared)``, one entry per group, ordered by first
+    row (so a bucket of ``b`` rows finds all its groups among the first ``b``): the member rows,
+    the row holding the group's prompt K/V, and the positions read from there (the followers'
+    shortest shared length, down to a block), the same for all of a group's members.
+    """
+    followers: dict[int, list[int]] = {}
+    for r, (src, n) in enumerate(zip(share_row, share_len, strict=True)):
+        if n > 0 and src != r:
+            followers.setdefault(src, []).append(r)
+    led = {r for rs in followers.values() for r in rs}
+    groups: list[list[int]] = []
+    src_rows: list[int] = []
+    shared: list[int] = []
+    for r in range(rows):
+        if r in led:
+            continue
+        rs = followers.get(r, [])
+        end = min((share_len[f] for f in rs), default=0) // block_n * block_n
+        whole = [r, *rs]
+        for i in range(0, len(whole), members):
+            groups.append(whole[i : i + members])
+            src_rows.append(r)
+            shared.append(end)
+    return groups, src_rows, shared
+
+
+def attention_group_tensors(
+    share_row: list[int], share_len: list[int], rows: int, members: int, block_n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``attention_groups`` as the kernel reads it, ``rows`` entries (unused ones empty): member
+    rows ``[rows, members]`` int32 (-1 padded), source row int64 and shared length int32 per group."""
+    groups, src, shared = attention_groups(share_row, share_len, rows, members, block_n)
+    pad = rows - len(groups)
+    flat = [r for g in groups for r in (*g, *[-1] * (members - len(g)))]
+    flat += [-1] * (pad * members)
+    return (
+        torch.tensor(flat, dtype=torch.int32).view(rows, members),
+        torch.tensor(src + [0] * pad, dtype=torch.long),
+        torch.tensor(shared + [0] * pad, dtype=torch.int32),
+    )
+
+
 # ---- Triton ---------------------------------------------------------------------------------
 try:  # pragma: no cover - exercised on GPUs and, in interpreter mode, by the kernel tests
     import triton
@@ -417,6 +474,116 @@ if HAVE_TRITON:
         gmask = offs_g < G
         ptr = OUT + b * so_b + h * so_h + offs_g[:, None] * so_g + offs_d[None, :]
         tl.store(ptr, out.to(OUT.dtype.element_ty), mask=gmask[:, None])
+
+    @triton.jit
+    def _grouped_rope_attn_kernel(
+        QKV, COS, SIN, POS, GROUPS, GROUP_SRC, GROUP_SHARED, K, V, OUT,
+        s_qkv, s_cs, sk_b, sk_h, sk_s, sv_b, sv_h, sv_s, so_b, so_h, so_g,
+        n_rows, G, scale,
+        N_HEADS: tl.constexpr, MEMBERS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+        D: tl.constexpr, IEEE: tl.constexpr,
+    ):  # fmt: skip
+        """One (group, KV head) program: the query heads of up to MEMBERS rows that read one prompt
+        copy form one tile (query row i: member i // G, head i % G). The prompt's blocks are read
+        once for all of them; then each member's own blocks, one loop over (member, block), the
+        other members' rows masked out; then each member's new token (RoPE on q and k, the cache
+        write) as in ``_rope_attn_split_kernel``. Every row sees the same blocks in the same order
+        as there, so the sums are the same."""
+        gi = tl.program_id(0)
+        h = tl.program_id(1)
+        n_kv = tl.num_programs(1)
+        offs_mem = tl.arange(0, MEMBERS)
+        mem_rows = tl.load(GROUPS + gi * MEMBERS + offs_mem)
+        mem_ok = (mem_rows >= 0) & (mem_rows < n_rows)
+        n_members = tl.sum(mem_ok.to(tl.int32), 0)
+        if n_members > 0:  # members are a prefix of the table's row; an empty row is no group
+            mem_rows = tl.where(mem_ok, mem_rows, 0)
+            mem_end = tl.load(POS + mem_rows, mask=mem_ok, other=0).to(tl.int32)
+            offs_i = tl.arange(0, BLOCK_M)
+            mem_i = offs_i // G
+            head_i = offs_i % G
+            row_i = tl.load(GROUPS + gi * MEMBERS + mem_i, mask=mem_i < MEMBERS, other=-1)
+            ok_i = (mem_i < MEMBERS) & (row_i >= 0) & (row_i < n_rows)
+            row_i = tl.where(ok_i, row_i, 0)
+            pos_i = tl.load(POS + row_i).to(tl.int32)
+            offs_d = tl.arange(0, D)
+            offs_n = tl.arange(0, BLOCK_N)
+            rot = (offs_d + D // 2) % D
+            c = tl.load(COS + pos_i[:, None] * s_cs + offs_d[None, :]).to(tl.float32)
+            sn = tl.load(SIN + pos_i[:, None] * s_cs + offs_d[None, :]).to(tl.float32)
+            q_ptr = QKV + row_i[:, None] * s_qkv + ((h * G + head_i) * D)[:, None]
+            q = tl.load(q_ptr + offs_d[None, :], mask=ok_i[:, None], other=0.0).to(tl.float32)
+            q_p = tl.load(q_ptr + rot[None, :], mask=ok_i[:, None], other=0.0).to(tl.float32)
+            q = (q * c + q_p * sn).to(K.dtype.element_ty)
+            m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+            l_i = tl.zeros([BLOCK_M], tl.float32)
+            acc = tl.zeros([BLOCK_M, D], tl.float32)
+            src = tl.load(GROUP_SRC + gi)
+            shared_end = tl.load(GROUP_SHARED + gi).to(tl.int32)
+            k_src, v_src = K + src * sk_b + h * sk_h, V + src * sv_b + h * sv_h
+            for n0 in range(0, shared_end, BLOCK_N):  # the prompt: whole blocks below every member's position
+                n = n0 + offs_n
+                k = tl.load(k_src + n[:, None] * sk_s + offs_d[None, :])
+                if IEEE:  # noqa: SIM108 - a constexpr branch inside a Triton kernel
+                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(k))
+                s = s * scale
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                p = tl.exp(s - m_new[:, None])
+                alpha = tl.exp(m_i - m_new)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(v_src + n[:, None] * sv_s + offs_d[None, :])
+                if IEEE:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
+            last = tl.max(tl.where(mem_ok, mem_end, 0), 0)
+            n_blocks = tl.maximum(last - shared_end + BLOCK_N - 1, 0) // BLOCK_N
+            for t in range(0, n_members * n_blocks):  # each member's own positions
+                j = t // n_blocks
+                n = shared_end + (t % n_blocks) * BLOCK_N + offs_n
+                row_j = tl.sum(tl.where(offs_mem == j, mem_rows, 0), 0)
+                end_j = tl.sum(tl.where(offs_mem == j, mem_end, 0), 0)
+                nmask = n < end_j
+                k = tl.load(K + row_j * sk_b + h * sk_h + n[:, None] * sk_s + offs_d[None, :],
+                            mask=nmask[:, None], other=0.0)  # fmt: skip
+                if IEEE:  # noqa: SIM108 - a constexpr branch inside a Triton kernel
+                    s = tl.dot(q, tl.trans(k), input_precision="ieee")
+                else:
+                    s = tl.dot(q, tl.trans(k))
+                s = tl.where((mem_i == j)[:, None] & nmask[None, :], s * scale, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(s, 1))
+                m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # rows with nothing yet
+                p = tl.exp(s - m_safe[:, None])
+                alpha = tl.exp(m_i - m_safe)
+                l_i = l_i * alpha + tl.sum(p, 1)
+                v = tl.load(V + row_j * sv_b + h * sv_h + n[:, None] * sv_s + offs_d[None, :],
+                            mask=nmask[:, None], other=0.0)  # fmt: skip
+                if IEEE:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision="ieee")
+                else:
+                    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+                m_i = m_new
+            # each member's new token: its k (RoPE) and v, stored once per member, attended by its rows
+            kn_ptr = QKV + row_i[:, None] * s_qkv + (N_HEADS + h) * D
+            k_new = tl.load(kn_ptr + offs_d[None, :]).to(tl.float32) * c
+            k_new = (k_new + tl.load(kn_ptr + rot[None, :]).to(tl.float32) * sn).to(K.dtype.element_ty)
+            v_new = tl.load(QKV + row_i[:, None] * s_qkv + (N_HEADS + n_kv + h) * D + offs_d[None, :])
+            first = (ok_i & (head_i == 0))[:, None]
+            tl.store(K + row_i[:, None] * sk_b + h * sk_h + pos_i[:, None] * sk_s + offs_d[None, :], k_new,
+                     mask=first)  # fmt: skip
+            tl.store(V + row_i[:, None] * sv_b + h * sv_h + pos_i[:, None] * sv_s + offs_d[None, :], v_new,
+                     mask=first)  # fmt: skip
+            s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32), 1) * scale
+            m_new = tl.maximum(m_i, s_new)
+            p = tl.exp(s_new - m_new)
+            alpha = tl.exp(m_i - m_new)
+            l_i = l_i * alpha + p
+            acc = acc * alpha[:, None] + p[:, None] * v_new.to(tl.float32)
+            ptr = OUT + row_i[:, None] * so_b + h * so_h + head_i[:, None] * so_g + offs_d[None, :]
+            tl.store(ptr, (acc / l_i[:, None]).to(OUT.dtype.element_ty), mask=ok_i[:, None])
 
     @triton.jit
     def _fmix32_tl(h):
@@ -682,6 +849,12 @@ class TritonDecodeAttention:
         self.launch: dict[str, int] | None = None
         self.block_g = max(16, _next_pow2(group))
         self.group, self.d, self.n_kv, self.max_seq = group, head_dim, n_kv, max_seq
+        # calls of at least this many rows with a group table, one split, run the grouped kernel
+        # (one program per group of rows reading one prompt copy; 0: never)
+        self.grouped_min_rows = 0
+        self.members = group_members_max(group)
+        self.block_m = max(16, _next_pow2(self.members * group))
+        self.grouped_launch: dict[str, int] = {}
         # partials of the largest (rows x splits) any call can use, laid out per call
         size = max(b * n_kv * math.ceil(max_seq / self.split_for(b)) for b in range(1, max_rows + 1))
         self._partials(size, device)
@@ -724,6 +897,7 @@ class TritonDecodeAttention:
         split: int | None = None,
         share_row: torch.Tensor | None = None,
         share_len: torch.Tensor | None = None,
+        groups: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """``rope_attention_ref`` in one kernel (plus the combine): from the projection output
         ``qkv`` [B, (H + 2 Hkv) D] and the ``[S, D]`` RoPE tables to the attention output
@@ -733,7 +907,12 @@ class TritonDecodeAttention:
         ``share_len[b]`` (<= ``pos[b]``) hold the same K/V in row ``share_row[b]``, whose own
         ``pos`` is at least ``share_len[b]`` (no program writes there); they are read from there,
         so the rows of a group that point at one row read its prompt from one copy (the rest come
-        from the cache, not memory)."""
+        from the cache, not memory).
+
+        ``groups``: ``attention_groups``'s table on the device (member rows ``[>= b, members]``
+        int32, -1 padded; source row and shared length per group), built from the same
+        ``share_row`` / ``share_len``; calls of at least ``grouped_min_rows`` rows in one split
+        then run the grouped kernel, which reads each group's prompt once."""
         b, g, d, n_kv = qkv.shape[0], self.group, self.d, self.n_kv
         assert qkv.stride(-1) == 1 and cos.is_contiguous() and signed_sin.is_contiguous()
         assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1 and k_cache.shape[2] <= self.max_seq
@@ -747,6 +926,20 @@ class TritonDecodeAttention:
         share = share_row is not None
         if share != (share_len is not None):
             raise ValueError("pass share_row and share_len together")
+        if groups is not None and n_splits == 1 and 0 < self.grouped_min_rows <= b:
+            members, src, shared = groups
+            assert members.shape[1] == self.members and members.dtype == torch.int32
+            _grouped_rope_attn_kernel[(b, n_kv)](
+                qkv, cos, signed_sin, pos, members, src, shared, k_cache, v_cache, out,
+                qkv.stride(0), cos.stride(0),
+                k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+                v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+                out.stride(0), out.stride(1), out.stride(2),
+                b, g, 1.0 / math.sqrt(d),
+                N_HEADS=n_heads, MEMBERS=self.members, BLOCK_M=self.block_m, BLOCK_N=self.block_n, D=d,
+                IEEE=qkv.dtype == torch.float32, **self.grouped_launch,
+            )  # fmt: skip
+            return out
         _rope_attn_split_kernel[(b, n_kv, n_splits)](
             qkv, cos, signed_sin, pos, share_row if share else pos, share_len if share else pos,
             k_cache, v_cache, self.o_part, self.m_part, self.l_part, out,
@@ -970,6 +1163,35 @@ def self_check(kind: str, fn: Any, device: torch.device, **shape: Any) -> str | 
                     if not (err < tol and cache_err < 4 * tol):
                         why = f"error {err:.3g}, cache error {cache_err:.3g}"
                         return f"rope attention kernel (split {split}, shared prompts {shared}): {why}"
+            if fn.grouped_min_rows and fn.split_for(rows) >= fn.max_seq:  # the grouped kernel
+                for sharing in (True, False):  # one group per prompt copy; every row alone
+                    # rows past the first block read it from row 0 (which is furthest along)
+                    follows = [r > 0 and sharing and int(pos[r]) >= fn.block_n for r in range(rows)]
+                    rows_of = [0 if f else r for r, f in enumerate(follows)]
+                    lens_of = [fn.block_n if f else 0 for f in follows]
+                    table = attention_group_tensors(rows_of, lens_of, rows, fn.members, fn.block_n)
+                    hidden = [0] * rows
+                    for members_row, shared_len in zip(table[0].tolist(), table[2].tolist(), strict=True):
+                        for r in members_row:
+                            if r > 0:  # row 0 holds the prompt everyone reads
+                                hidden[r] = shared_len
+                    gk, gv = kc.clone(), vc.clone()
+                    for r, n in enumerate(hidden):
+                        gk[r, :, :n], gv[r, :, :n] = float("nan"), float("nan")
+                    saved, fn.grouped_min_rows = fn.grouped_min_rows, 1
+                    try:
+                        groups = tuple(t.to(device) for t in table)
+                        got = fn.rope_attend(qkv, cos, ssin, pos, gk, gv, n_heads, groups=groups).float()
+                    finally:
+                        fn.grouped_min_rows = saved
+                    for r, n in enumerate(hidden):
+                        gk[r, :, :n], gv[r, :, :n] = wk[r, :, :n], wv[r, :, :n]
+                    err = float((got - want).norm() / want.norm())
+                    pairs = ((gk, wk), (gv, wv))
+                    cache_err = max(float((a.float() - b.float()).abs().max()) for a, b in pairs)
+                    if not (err < tol and cache_err < 4 * tol):
+                        why = f"error {err:.3g}, cache error {cache_err:.3g}"
+                        return f"grouped rope attention kernel (shared prompts {sharing}): {why}"
             return None
         if kind == "silu":
             rows, inter, dtype = shape["rows"], shape["inter"], shape["dtype"]

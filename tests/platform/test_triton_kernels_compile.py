@@ -59,6 +59,20 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
         out.append(
             (name, decode._rope_attn_split_kernel, attn_ptrs, {**consts, "num_warps": 2, "num_stages": 2})
         )
+        # the grouped kernel (hf_decode's grouped_attention_min_rows): 8 rows' query heads in one tile
+        grouped_ptrs = {
+            **dict.fromkeys(("QKV", "COS", "SIN", "K", "V", "OUT"), "*bf16"),
+            **dict.fromkeys(("GROUPS", "GROUP_SHARED"), "*i32"),
+            **dict.fromkeys(("POS", "GROUP_SRC"), "*i64"),
+            "scale": F32,
+        }
+        for warps, stages in ((4, 3), (8, 2)):
+            consts = dict(N_HEADS=n_heads, MEMBERS=8, BLOCK_M=64, BLOCK_N=64, D=d, IEEE=False)
+            name = f"grouped rope attention D={d} {warps} warps {stages} stages"
+            out.append(
+                (name, decode._grouped_rope_attn_kernel, grouped_ptrs,
+                 {**consts, "num_warps": warps, "num_stages": stages})
+            )  # fmt: skip
         combine_ptrs = {
             **dict.fromkeys(("O_PART", "M_PART", "L_PART"), "*fp32"),
             "POS": "*i64",

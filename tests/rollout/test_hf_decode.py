@@ -604,3 +604,121 @@ def test_residual_split_k_adds_the_whole_product_and_bias_into_the_residual(spli
     got = hf_decode.residual_split_k_(x, h, w, b, splits)
     assert got is x  # in place: the residual stream the layer hands on
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_groups_cover_every_row_once_in_pieces_led_by_the_prompts_row() -> None:
+    """The grouped kernel's table: followers join the row they read from, groups split at the
+    kernel's width, the shared length is the group's shortest (down to a block), and a bucket of
+    ``b`` rows finds every group it needs among the first ``b`` entries."""
+    share_row = [0, 0, 0, 3, 0, 3, 6, 0, 0]
+    share_len = [0, 130, 140, 0, 150, 70, 0, 200, 129]
+    groups, src, shared = kernels.attention_groups(share_row, share_len, 11, 4, 64)
+    assert groups == [[0, 1, 2, 4], [7, 8], [3, 5], [6], [9], [10]]
+    assert src == [0, 0, 3, 6, 9, 10]
+    assert shared == [128, 128, 64, 0, 0, 0]
+    assert sorted(r for g in groups for r in g) == list(range(11))
+    members, src_t, shared_t = kernels.attention_group_tensors(share_row, share_len, 11, 4, 64)
+    assert members.dtype == torch.int32 and members.shape == (11, 4)
+    assert members[1].tolist() == [7, 8, -1, -1] and (members[6:] == -1).all()
+    assert src_t.tolist()[:6] == src and shared_t.tolist()[:6] == shared
+    # 64 // 8 rows of 7 query heads fill a 64-row tile; wide groups are capped
+    assert [kernels.group_members_max(g) for g in (1, 6, 7, 8, 12, 16)] == [16, 8, 8, 8, 4, 4]
+
+
+GROUPED_SCRIPT = textwrap.dedent(
+    """
+    import json, torch
+    from rlkube.runtime.rollout import kernels as K
+    cpu = torch.device("cpu")
+    g_ = torch.Generator().manual_seed(7)
+    out = {}
+    for group, d in ((7, 64), (6, 128)):
+        rows, n_kv, s = 21, 2, 300
+        n_heads = n_kv * group
+        qkv = torch.randn(rows, (n_heads + 2 * n_kv) * d, generator=g_)
+        ang = torch.arange(s)[:, None] * torch.rand(d // 2, generator=g_)[None]
+        cos, ssin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([-ang.sin(), ang.sin()], -1)
+        # rows 0-10 share a 150-position prompt (row 0 leads; 11 rows: pieces of 8 and 3) at
+        # positions 150-249 (row 3 has nothing of its own yet); rows 11-14 a 70-position prompt;
+        # rows 15-20 share nothing
+        draw = [(150, 250, 11), (70, 140, 4), (0, 299, 6)]
+        pos = torch.cat([torch.randint(lo, hi, (n,), generator=g_) for lo, hi, n in draw])
+        pos[3] = 150
+        kc, vc = torch.randn(rows, n_kv, s, d, generator=g_), torch.randn(rows, n_kv, s, d, generator=g_)
+        share_row, share_len = list(range(rows)), [0] * rows
+        for lead, members, plen in ((0, range(1, 11), 150), (11, range(12, 15), 70)):
+            for r in members:
+                kc[r, :, :plen], vc[r, :, :plen] = kc[lead, :, :plen], vc[lead, :, :plen]
+                share_row[r], share_len[r] = lead, plen
+        att = K.TritonDecodeAttention(rows, n_kv, group, d, s, cpu)
+        att.grouped_min_rows = 1
+        table = K.attention_group_tensors(share_row, share_len, rows, att.members, att.block_n)
+        gk, gv = kc.clone(), vc.clone()
+        for r in range(rows):  # a follower's own copy of the shared blocks: NaN, so reading it shows
+            n = share_len[r] // 64 * 64
+            gk[r, :, :n], gv[r, :, :n] = float("nan"), float("nan")
+        # a bucket of the first 19 rows: rows 19-20 are outside it
+        got = att.rope_attend(qkv[:19], cos, ssin, pos[:19], gk, gv, n_heads, groups=table)
+        rk, rv = kc.clone(), vc.clone()
+        want = K.rope_attention_ref(qkv[:19], cos, ssin, pos[:19], rk, rv, n_heads)
+        ar = torch.arange(19)
+        out[str(d)] = {
+            "err": float((got - want).abs().max()),
+            "k_err": float((gk[ar, :, pos[:19]] - rk[ar, :, pos[:19]]).abs().max()),
+            "v_err": float((gv[ar, :, pos[:19]] - rv[ar, :, pos[:19]]).abs().max()),
+            "outside_untouched": bool(torch.equal(gk[19:], kc[19:]) and torch.equal(gv[19:], vc[19:])),
+        }
+        for dtype in (torch.float32, torch.float16):  # the start-up self-check covers the kernel
+            att = K.TritonDecodeAttention(8, n_kv, group, d, 300, cpu)
+            att.grouped_min_rows = 64
+            out[f"check_{d}_{dtype}"] = K.self_check(
+                "attention", att, cpu, rows=8, n_kv=n_kv, group=group, d=d, seq=300, dtype=dtype)
+    print(json.dumps(out))
+    """
+)
+
+
+def test_the_grouped_attention_kernel_matches_the_reference_reading_each_prompt_from_one_row(
+    triton_interpret: Callable[[str], dict[str, Any]],
+) -> None:
+    """Interpreter: the grouped kernel (a group's prompt blocks once for all its rows, then each
+    row's own) gives the reference's attention and cache writes with groups split in pieces,
+    rows at other positions, a row with nothing of its own and a bucket smaller than the table."""
+    out = triton_interpret(GROUPED_SCRIPT)
+    for d in ("64", "128"):
+        r = out[d]
+        assert r["err"] < 1e-5 and r["k_err"] < 1e-5 and r["v_err"] < 1e-5, r
+        assert r["outside_untouched"]
+        assert out[f"check_{d}_torch.float32"] is None and out[f"check_{d}_torch.float16"] is None
+
+
+GROUPED_ENGINE_SCRIPT = (
+    SHARE_SCRIPT.replace(
+        "for share in (False, True):", "for share in (False, True):  # here: grouped kernel off, on"
+    )
+    .replace("share_prompt_reads=share)", "grouped_attention_min_rows=int(share))")
+    .replace(
+        "lp_same = all(p.logprobs == q.logprobs for p, q in zip(out[False], out[True]))",
+        # another tile shape, so float32 sums may round differently
+        "lp_same = all(abs(x - y) < 1e-5 for p, q in zip(out[False], out[True]) "
+        "for x, y in zip(p.logprobs, q.logprobs))",
+    )
+)
+
+
+def test_the_engine_with_the_grouped_attention_kernel_decodes_the_same_samples(
+    triton_interpret: Callable[[str], dict[str, Any]],
+) -> None:
+    """The grouped kernel in the engine (interpreter), on the sharing test's samples: the same
+    tokens and log-probabilities as one program per row, while a group's first row stops and its
+    row is reused by another prompt."""
+    out = triton_interpret(GROUPED_ENGINE_SCRIPT)
+    assert out["kernels"]["attention"] == "triton"
+    assert out["same_tokens"] and out["same_logprobs"]
+    assert out["calls"] == out["calls_off"]  # the same rows shared, with the grouped kernel or not
+    assert out["calls"][0] == [[0, 0, 0, 0, 4, 4], [0, 70, 70, 70, 0, 131]]
+
+
+def test_a_negative_grouped_attention_min_rows_is_refused_naming_the_field(model: Any) -> None:
+    with pytest.raises(ValueError, match="grouped_attention_min_rows must be an integer >= 0"):
+        HFEngine(model=model, num_slots=4, max_seq_len=32, grouped_attention_min_rows=-1)
