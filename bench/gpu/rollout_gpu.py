@@ -59,6 +59,15 @@ from rlkube.runtime.rollout.hf_decode import (  # noqa: E402
 )
 
 
+# launch options of the grouped attention kernel (``--grouped-launch``): Triton's defaults (4
+# warps, 3 stages), 8 warps, 8 warps and 2 stages
+GROUPED_LAUNCHES: dict[str, dict[str, int]] = {
+    "default": {},
+    "w8": {"num_warps": 8},
+    "w8s2": {"num_warps": 8, "num_stages": 2},
+}
+
+
 def reset_peak(dev: torch.device) -> None:
     """Peak-memory counters from here. The allocator keeps the blocks the warm-up call left, as
     it does from one step of a training loop to the next; until stop 27 its cache was emptied
@@ -149,6 +158,8 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
         freeze_heap=args.freeze_heap == "on",
     )
     engine.decoder.compiled_prefill = args.prefill == "compiled"
+    if engine.decoder._attention is not None:
+        engine.decoder._attention.grouped_launch = GROUPED_LAUNCHES[args.grouped_launch]
     engine.decoder.dynamic_rows = args.dynamic_rows == "on"
     init_s = time.perf_counter() - t0
     graphs_compiled0 = counters["stats"]["unique_graphs"]
@@ -217,6 +228,7 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
             "down_split_k": d.down_split_k,
             "gated_min_rows": d.gated_min_rows,
             "grouped_attention_min_rows": d.grouped_attention_min_rows,
+            "grouped_launch": args.grouped_launch,
             "harvest_tokens": engine.harvest_tokens,
             "kernel_errors": d.kernel_errors,
             "graphs_captured": len(d._graphs),
@@ -428,6 +440,10 @@ def main(argv: list[str] | None = None) -> int:
         help="buckets of at least this many rows run the grouped attention kernel (0: never; default: "
         "the engine's, hf_decode.GROUPED_ATTENTION_MIN_ROWS_DEFAULT)",
     )  # fmt: skip
+    ap.add_argument(
+        "--grouped-launch", choices=sorted(GROUPED_LAUNCHES), default="default",
+        help="Triton launch options of the grouped attention kernel (the A/B's)",
+    )
     ap.add_argument(
         "--down-split-k", type=int, default=None,
         help="slices of K in the split down GEMM (default: the engine's, hf_decode.DOWN_SPLIT_K)",
