@@ -58,7 +58,6 @@ from rlkube.runtime.rollout.hf_decode import (  # noqa: E402
     SAMPLING_DEFAULT,
 )
 
-
 # launch options of the grouped attention kernel (``--grouped-launch``): Triton's defaults (4
 # warps, 3 stages), 8 warps, 8 warps and 2 stages
 GROUPED_LAUNCHES: dict[str, dict[str, int]] = {
@@ -441,7 +440,9 @@ def main(argv: list[str] | None = None) -> int:
         "the engine's, hf_decode.GROUPED_ATTENTION_MIN_ROWS_DEFAULT)",
     )  # fmt: skip
     ap.add_argument(
-        "--grouped-launch", choices=sorted(GROUPED_LAUNCHES), default="default",
+        "--grouped-launch",
+        choices=sorted(GROUPED_LAUNCHES),
+        default="default",
         help="Triton launch options of the grouped attention kernel (the A/B's)",
     )
     ap.add_argument(
