@@ -1145,23 +1145,34 @@ def self_check(kind: str, fn: Any, device: torch.device, **shape: Any) -> str | 
             wk, wv = kc.clone(), vc.clone()
             want = rope_attention_ref(qkv, cos, ssin, pos, wk, wv, n_heads).float()
             tol = 2e-2 if dtype != torch.float32 else 1e-4
+
+            def attempt(hidden: list[int], call: Any) -> str | None:
+                """``call(k_cache, v_cache)`` on caches whose first ``hidden[r]`` positions of row
+                ``r`` are NaN (what it must read elsewhere); why it disagrees, or None."""
+                gk, gv = kc.clone(), vc.clone()
+                for r, n in enumerate(hidden):
+                    gk[r, :, :n], gv[r, :, :n] = float("nan"), float("nan")
+                got = call(gk, gv).float()
+                for r, n in enumerate(hidden):
+                    gk[r, :, :n], gv[r, :, :n] = wk[r, :, :n], wv[r, :, :n]
+                err = float((got - want).norm() / want.norm())
+                cache_err = max(float((a.float() - b.float()).abs().max()) for a, b in ((gk, wk), (gv, wv)))
+                ok = err < tol and cache_err < 4 * tol
+                return None if ok else f"error {err:.3g}, cache error {cache_err:.3g}"
+
             for split in (None, 64, fn.max_seq):  # this row count's split, the smallest, one split
                 for shared in shape.get("share_modes", (False, True)):
-                    gk, gv = kc.clone(), vc.clone()
                     hidden = [
                         int(pos[r]) // fn.block_n * fn.block_n if shared and r else 0 for r in range(rows)
                     ]
-                    for r, n in enumerate(hidden):
-                        gk[r, :, :n], gv[r, :, :n] = float("nan"), float("nan")
                     extra = {"share_row": share_row, "share_len": share_len} if shared else {}
-                    got = fn.rope_attend(qkv, cos, ssin, pos, gk, gv, n_heads, split=split, **extra).float()
-                    for r, n in enumerate(hidden):
-                        gk[r, :, :n], gv[r, :, :n] = wk[r, :, :n], wv[r, :, :n]
-                    err = float((got - want).norm() / want.norm())
-                    pairs = ((gk, wk), (gv, wv))
-                    cache_err = max(float((a.float() - b.float()).abs().max()) for a, b in pairs)
-                    if not (err < tol and cache_err < 4 * tol):
-                        why = f"error {err:.3g}, cache error {cache_err:.3g}"
+                    why = attempt(
+                        hidden,
+                        lambda k, v, split=split, extra=extra: fn.rope_attend(
+                            qkv, cos, ssin, pos, k, v, n_heads, split=split, **extra
+                        ),
+                    )
+                    if why:
                         return f"rope attention kernel (split {split}, shared prompts {shared}): {why}"
             if fn.grouped_min_rows and fn.split_for(rows) >= fn.max_seq:  # the grouped kernel
                 for sharing in (True, False):  # one group per prompt copy; every row alone
@@ -1175,22 +1186,18 @@ def self_check(kind: str, fn: Any, device: torch.device, **shape: Any) -> str | 
                         for r in members_row:
                             if r > 0:  # row 0 holds the prompt everyone reads
                                 hidden[r] = shared_len
-                    gk, gv = kc.clone(), vc.clone()
-                    for r, n in enumerate(hidden):
-                        gk[r, :, :n], gv[r, :, :n] = float("nan"), float("nan")
+                    groups = tuple(t.to(device) for t in table)
                     saved, fn.grouped_min_rows = fn.grouped_min_rows, 1
                     try:
-                        groups = tuple(t.to(device) for t in table)
-                        got = fn.rope_attend(qkv, cos, ssin, pos, gk, gv, n_heads, groups=groups).float()
+                        why = attempt(
+                            hidden,
+                            lambda k, v, groups=groups: fn.rope_attend(
+                                qkv, cos, ssin, pos, k, v, n_heads, groups=groups
+                            ),
+                        )
                     finally:
                         fn.grouped_min_rows = saved
-                    for r, n in enumerate(hidden):
-                        gk[r, :, :n], gv[r, :, :n] = wk[r, :, :n], wv[r, :, :n]
-                    err = float((got - want).norm() / want.norm())
-                    pairs = ((gk, wk), (gv, wv))
-                    cache_err = max(float((a.float() - b.float()).abs().max()) for a, b in pairs)
-                    if not (err < tol and cache_err < 4 * tol):
-                        why = f"error {err:.3g}, cache error {cache_err:.3g}"
+                    if why:
                         return f"grouped rope attention kernel (shared prompts {sharing}): {why}"
             return None
         if kind == "silu":
