@@ -749,15 +749,12 @@ class StaticDecoder:
         n, s = len(share_row), self.state
         if len(share_len) != n or n > self.B:
             raise ValueError(f"share_row and share_len must have the same length <= {self.B} rows")
-        rows = torch.cat([torch.tensor(share_row, dtype=torch.long), torch.arange(n, self.B)])
-        s.share_row.copy_(to_device(rows, self.device))
-        lens = torch.tensor([*share_len, *[0] * (self.B - n)], dtype=torch.long)
-        s.share_len.copy_(to_device(lens, self.device))
+        rows, lens = [*share_row, *range(n, self.B)], [*share_len, *[0] * (self.B - n)]
+        s.share_row.copy_(to_device(torch.tensor(rows, dtype=torch.long), self.device))
+        s.share_len.copy_(to_device(torch.tensor(lens, dtype=torch.long), self.device))
         if self._groups is not None:  # the same rows, as groups for the grouped kernel
-            table = kernels.attention_group_tensors(
-                [*share_row, *range(n, self.B)], [*share_len, *[0] * (self.B - n)], self.B,
-                self._attention.members, self._attention.block_n,
-            )  # fmt: skip
+            att = self._attention
+            table = kernels.attention_group_tensors(rows, lens, self.B, att.members, att.block_n)
             for dst, src in zip(self._groups, table, strict=True):
                 dst.copy_(to_device(src, self.device))
 
