@@ -2,7 +2,7 @@
 # `make bench-gpu`: the GPU benchmarks, run on a GPU machine (here: through the device tool, one
 # H200 with torch but no rlkube install, no Ray, no vLLM, no network).
 #   bash bench/gpu/run.sh [weights] [rollout] [trainer] [ipc] [decode-step] [linear-layers] [linear-rollout]
-#   [harvest-ab] [split-down-ab] [gated-ab]   (default: the first three)
+#   [harvest-ab] [split-down-ab] [gated-ab] [grouped-ab]   (default: the first three)
 # harvest-ab: the rollout with each chunk's tokens copied to the host behind it (the default) and
 # without (all read at collection), one after the other (harvest-ab/ under $out).
 # split-down-ab: the down projection split-K (hf_decode.split_k_partials): the residual GEMMs alone
@@ -13,6 +13,10 @@
 # gated_min_rows): the layer alone at 256 and 512 rows per launch against cuBLAS + the SiLU kernel
 # and against the bare GEMM, the 512-row step with it off and on, then the b512 rollout off and on
 # for buckets of >= 256 rows (gated-ab/ under $out; time-boxed to one 600 s device call).
+# grouped-ab: the grouped attention kernel (hf_decode's grouped_attention_min_rows): the kernel alone
+# against the per-row one (Triton's launch defaults and 8 warps) at the b512 and b64 shapes, then
+# the b512 rollout off and on for buckets of >= 512 rows (grouped-ab/ under $out; time-boxed to one
+# 600 s device call).
 # linear-layers / linear-rollout: the fused linear kernel (rollout/decode_linear.py; off, slower on
 # an H100 at stop 29), in two calls of a few minutes each (linear-ab/ under $out): each layer alone against
 # cuBLAS per launch setting (64 and 512 rows) and the decode step with it on and off; then the
@@ -82,6 +86,15 @@ for bench in ${*:-weights rollout trainer}; do
         --shapes b512 --gated-min-rows 0 > "$out/gated-ab/rollout-gpu.log" || status=1
       OUT=$out/gated-ab/on timeout 140 python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate --sizes 1.5b,0.5b \
         --shapes b512 --gated-min-rows 256 > "$out/gated-ab/on/rollout-gpu.log" || status=1 ;;
+    grouped-ab)
+      mkdir -p "$out/grouped-ab/on"
+      OUT=$out/grouped-ab timeout 120 python3 "$top/bench/gpu/decode_step_gpu.py" --sizes= --rows 64 \
+        --attention default,grouped,grouped-w8 --attention-shapes b512,b64 --repeats 5 --no-capture-check \
+        > "$out/grouped-ab/decode-step-gpu.log" || status=1
+      OUT=$out/grouped-ab timeout 210 python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate --sizes 1.5b,0.5b \
+        --shapes b512 --grouped-attention-min-rows 0 > "$out/grouped-ab/rollout-gpu.log" || status=1
+      OUT=$out/grouped-ab/on timeout 210 python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate --sizes 1.5b,0.5b \
+        --shapes b512 --grouped-attention-min-rows 512 > "$out/grouped-ab/on/rollout-gpu.log" || status=1 ;;
     linear-rollout)
       mkdir -p "$out/linear-ab/on"
       OUT=$out/linear-ab python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate \
