@@ -43,6 +43,18 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
 
 status=0
+# The b512 rollout at both sizes with one setting off, then on: b512_rollout_ab DIR SECONDS FLAG OFF ON
+# runs rollout_gpu.py with "FLAG OFF" into $out/DIR and "FLAG ON" into $out/DIR/on, each process
+# time-boxed to SECONDS.
+b512_rollout_ab() {
+  local dir=$1 limit=$2 flag=$3 off=$4 on=$5
+  mkdir -p "$out/$dir/on"
+  OUT=$out/$dir timeout "$limit" python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate --sizes 1.5b,0.5b \
+    --shapes b512 "$flag" "$off" > "$out/$dir/rollout-gpu.log" || status=1
+  OUT=$out/$dir/on timeout "$limit" python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate --sizes 1.5b,0.5b \
+    --shapes b512 "$flag" "$on" > "$out/$dir/on/rollout-gpu.log" || status=1
+}
+
 for bench in ${*:-weights rollout trainer}; do
   echo "=== bench-gpu: $bench ($(date -u +%H:%M:%S))"
   case $bench in
@@ -77,24 +89,18 @@ for bench in ${*:-weights rollout trainer}; do
           --shapes b512 --down-split-min-rows 256 --down-split-k $k | tail -3 || status=1  # the JSON has it all
       done ;;
     gated-ab)
-      mkdir -p "$out/gated-ab/on"
+      mkdir -p "$out/gated-ab"
       OUT=$out/gated-ab timeout 260 python3 "$top/bench/gpu/decode_step_gpu.py" --sizes 1.5b,0.5b --rows 512 \
         --configs default,gated,gated-t64x128,gated-t128x64,default --repeats 3 --no-capture-check \
         --linear t128,t128s4,t64x128,t128x64,t128x64w8,t64x256,gemm-only --linear-rows 512,256 \
         --linear-layers gated > "$out/gated-ab/decode-step-gpu.log" || status=1
-      OUT=$out/gated-ab timeout 140 python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate --sizes 1.5b,0.5b \
-        --shapes b512 --gated-min-rows 0 > "$out/gated-ab/rollout-gpu.log" || status=1
-      OUT=$out/gated-ab/on timeout 140 python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate --sizes 1.5b,0.5b \
-        --shapes b512 --gated-min-rows 256 > "$out/gated-ab/on/rollout-gpu.log" || status=1 ;;
+      b512_rollout_ab gated-ab 140 --gated-min-rows 0 256 ;;
     grouped-ab)
-      mkdir -p "$out/grouped-ab/on"
+      mkdir -p "$out/grouped-ab"
       OUT=$out/grouped-ab timeout 120 python3 "$top/bench/gpu/decode_step_gpu.py" --sizes= --rows 64 \
         --attention default,grouped,grouped-w8 --attention-shapes b512,b64 --repeats 5 --no-capture-check \
         > "$out/grouped-ab/decode-step-gpu.log" || status=1
-      OUT=$out/grouped-ab timeout 210 python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate --sizes 1.5b,0.5b \
-        --shapes b512 --grouped-attention-min-rows 0 > "$out/grouped-ab/rollout-gpu.log" || status=1
-      OUT=$out/grouped-ab/on timeout 210 python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate --sizes 1.5b,0.5b \
-        --shapes b512 --grouped-attention-min-rows 512 > "$out/grouped-ab/on/rollout-gpu.log" || status=1 ;;
+      b512_rollout_ab grouped-ab 210 --grouped-attention-min-rows 0 512 ;;
     linear-rollout)
       mkdir -p "$out/linear-ab/on"
       OUT=$out/linear-ab python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate \
