@@ -70,6 +70,20 @@ def ceilings(device: Any, smoke: bool) -> dict[str, Any]:
     }
 
 
+def host_cpu() -> str:
+    """The host's CPU model: a peer whose step is bound by Python's kernel launches (TRL's HF
+    ``generate``) runs as fast as this CPU, so its figure belongs to the host, not only the GPU."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or "unknown"
+
+
 def run_info(device: Any, ceil: dict[str, Any], args: Any) -> dict[str, Any]:
     """What every GPU bench report starts with: the machine, the versions, the measured ceilings."""
     import torch
@@ -77,6 +91,7 @@ def run_info(device: Any, ceil: dict[str, Any], args: Any) -> dict[str, Any]:
 
     return {
         "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "host_cpu": host_cpu(),
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "read_bandwidth_gbs": ceil["read_bandwidth_gbs"],

@@ -641,7 +641,10 @@ def main() -> int:
             )
         if "speedup_vs_trl_median" in res:
             rng = res["trl_step_s_range"]
-            print(f"{res['size']:>5}  vs TRL: {res['speedup_vs_trl_median']:.2f}x (TRL steps {rng} s)")
+            print(
+                f"{res['size']:>5}  vs TRL: {res['speedup_vs_trl_median']:.2f}x (TRL steps {rng} s; "
+                f"host CPU {out['host_cpu']}: TRL's generate is bound by its kernel launches)"
+            )
     return 0 if ok else 1
 
 
