@@ -108,3 +108,31 @@ def sync(device: Any) -> None:
 
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def timed_calls(fn: Any, dev: Any, calls: int, repeats: int) -> list[float]:
+    """Seconds per call of ``fn``, ``calls`` at a time; on CUDA replayed from a graph, as the decode
+    step runs it (a Python launch costs more than the kernel at 64 rows)."""
+    import time
+
+    import torch
+
+    def run() -> None:
+        for _ in range(calls):
+            fn()
+
+    if dev.type == "cuda":
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run()
+        run = graph.replay
+    times = []
+    for _ in range(repeats):
+        sync(dev)
+        t = time.perf_counter()
+        run()
+        sync(dev)
+        times.append((time.perf_counter() - t) / calls)
+    return times

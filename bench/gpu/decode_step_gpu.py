@@ -289,31 +289,6 @@ SAMPLER_VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def _timed_calls(fn: Any, dev: torch.device, calls: int, repeats: int) -> list[float]:
-    """Seconds per call of ``fn``, ``calls`` at a time; on CUDA replayed from a graph, as the decode
-    step runs it (a Python launch costs more than the kernel at 64 rows)."""
-
-    def run() -> None:
-        for _ in range(calls):
-            fn()
-
-    if dev.type == "cuda":
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
-        run = graph.replay
-    times = []
-    for _ in range(repeats):
-        common.sync(dev)
-        t = time.perf_counter()
-        run()
-        common.sync(dev)
-        times.append((time.perf_counter() - t) / calls)
-    return times
-
-
 def bench_sampler(
     rows: int, vocab: int, dev: torch.device, read_bps: float, repeats: int, calls: int = 20
 ) -> list[dict[str, Any]]:
@@ -341,7 +316,9 @@ def bench_sampler(
             tok, _ = sampler(x, temp, seeds)  # compiles
             first = want.setdefault(sampler.method, tok)
             same = bool((tok == first).all())
-            times = _timed_calls(lambda sampler=sampler, x=x: sampler(x, temp, seeds), dev, calls, repeats)
+            times = common.timed_calls(
+                lambda sampler=sampler, x=x: sampler(x, temp, seeds), dev, calls, repeats
+            )
             t = statistics.median(times)
             bound = x.numel() * x.element_size() / read_bps
             out.append({
@@ -455,7 +432,7 @@ def bench_attention(
             )  # fmt: skip
             try:
                 got = call().float()
-                times = _timed_calls(call, dev, calls, repeats)
+                times = common.timed_calls(call, dev, calls, repeats)
             except Exception as exc:
                 err = f"{type(exc).__name__}: {exc}"[:1500]
                 out.append({"attention": shape, "variant": name, "error": err})
@@ -701,7 +678,7 @@ def bench_linear(
                 got = (res if got is None else got).float()  # the output of one call from the same residual
                 first_s = time.perf_counter() - t_first
                 want = got if want is None else want
-                times = _timed_calls(call, dev, calls, repeats)
+                times = common.timed_calls(call, dev, calls, repeats)
             except Exception as exc:
                 out.append({"linear": layer, "variant": name, "error": f"{type(exc).__name__}: {exc}"[:1500]})
                 print(json.dumps(out[-1]), flush=True)

@@ -32,7 +32,6 @@ import importlib.util
 import json
 import os
 import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -169,28 +168,6 @@ class Layers:
         return {"memory_s": mem, "compute_s": comp, "bound_s": max(mem, comp)}
 
 
-def timed(fn: Callable[[], torch.Tensor], dev: torch.device, calls: int, repeats: int) -> list[float]:
-    def run() -> None:
-        for _ in range(calls):
-            fn()
-
-    if dev.type == "cuda":
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
-        run = graph.replay
-    times = []
-    for _ in range(repeats):
-        common.sync(dev)
-        t = time.perf_counter()
-        run()
-        common.sync(dev)
-        times.append((time.perf_counter() - t) / calls)
-    return times
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sizes", default="1.5b,0.5b")
@@ -216,7 +193,9 @@ def main(argv: list[str] | None = None) -> int:
                 fn = layers.variant(name)
                 with torch.no_grad():
                     out = fn().float()
-                    times = timed(fn, dev, 1 if args.smoke else args.calls, 1 if args.smoke else args.repeats)
+                    times = common.timed_calls(
+                        fn, dev, 1 if args.smoke else args.calls, 1 if args.smoke else args.repeats
+                    )
                 ref = out if ref is None else ref
                 t = statistics.median(times)
                 first = t if first is None else first
