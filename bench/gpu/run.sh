@@ -17,8 +17,9 @@
 # against the per-row one (Triton's launch defaults and 8 warps) at the b512 and b64 shapes, then
 # the b512 rollout off and on for buckets of >= 512 rows (grouped-ab/ under $out; time-boxed to one
 # 600 s device call).
-# overlap: the decode step's layers over two row halves on two CUDA streams against all rows on
-# one (overlap_gpu.py; 1.5b and 0.5b at 512 rows, OVERLAP_ARGS to change).
+# overlap: the decode step's layers over two row halves on two CUDA streams, and with the MLP norm
+# folded into the gate/up weight, against all rows on one stream (overlap_gpu.py; 1.5b and 0.5b
+# at 512 rows, OVERLAP_ARGS to change).
 # linear-layers / linear-rollout: the fused linear kernel (rollout/decode_linear.py; off, slower on
 # an H100 at stop 29), in two calls of a few minutes each (linear-ab/ under $out): each layer alone against
 # cuBLAS per launch setting (64 and 512 rows) and the decode step with it on and off; then the

@@ -239,17 +239,18 @@ def test_decode_step_bench_times_each_linear_layer_against_cublas_and_the_step_w
     assert steps["linear"]["linear"] == "triton" and steps["cublas"]["linear"] == "torch"
 
 
-def test_overlap_bench_splits_the_rows_in_group_aligned_halves_that_compute_what_one_pass_does(
-    tmp_path: Path,
-) -> None:
+def test_overlap_bench_variants_compute_what_the_one_pass_step_does(tmp_path: Path) -> None:
     """The two-stream A/B's halves (each reading its groups' shared prompt from its own lead rows)
-    give the residual stream the all-rows pass gives, through the Triton attention kernel."""
+    and the folded MLP norm (weight in the GEMM, 1 / rms in the SiLU kernel) give the residual
+    stream the all-rows pass gives, through the Triton kernels."""
     proc = run_bench("overlap_gpu.py", tmp_path, gpu_machine=True, env_extra={"TRITON_INTERPRET": "1"})
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads((tmp_path / "overlap-gpu.json").read_text())
     assert report["host_cpu"]  # a launch-bound peer's figure belongs to its host
     rows = report["results"]
-    assert [r["variant"] for r in rows] == ["one-stream", "halves-serial", "two-stream", "two-stream-lag"]
+    assert [r["variant"] for r in rows] == [
+        *("one-stream", "halves-serial", "two-stream", "two-stream-lag", "fold-mlp-norm")
+    ]
     assert all(r["max_abs_diff_vs_first"] < 1e-4 for r in rows)  # fp32 on the CPU
     assert all(r["bound_s"] == max(r["memory_s"], r["compute_s"]) for r in rows)
     assert all(0 < r["fraction_of_bound"] < 1 for r in rows)
