@@ -52,6 +52,7 @@ from rlkube.runtime.rollout.base import RolloutRequest, SamplingParams  # noqa: 
 from rlkube.runtime.rollout.hf import HFEngine, teacher_forced_logprobs  # noqa: E402
 from rlkube.runtime.rollout.hf_decode import (  # noqa: E402
     DOWN_SPLIT_K,
+    FOLD_MLP_NORM_DEFAULT,
     GATED_MIN_ROWS_DEFAULT,
     GROUPED_ATTENTION_MIN_ROWS_DEFAULT,
     LINEAR_MAX_ROWS_DEFAULT,
@@ -154,6 +155,7 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
             if args.grouped_attention_min_rows is None
             else args.grouped_attention_min_rows
         ),
+        fold_mlp_norm=FOLD_MLP_NORM_DEFAULT if args.fold_mlp_norm is None else args.fold_mlp_norm == "on",
         freeze_heap=args.freeze_heap == "on",
     )
     engine.decoder.compiled_prefill = args.prefill == "compiled"
@@ -227,6 +229,7 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
             "down_split_k": d.down_split_k,
             "gated_min_rows": d.gated_min_rows,
             "grouped_attention_min_rows": d.grouped_attention_min_rows,
+            "fold_mlp_norm": d.fold_mlp_norm,
             "grouped_launch": args.grouped_launch,
             "harvest_tokens": engine.harvest_tokens,
             "kernel_errors": d.kernel_errors,
@@ -438,6 +441,11 @@ def main(argv: list[str] | None = None) -> int:
         "--grouped-attention-min-rows", type=int, default=None,
         help="buckets of at least this many rows run the grouped attention kernel (0: never; default: "
         "the engine's, hf_decode.GROUPED_ATTENTION_MIN_ROWS_DEFAULT)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--fold-mlp-norm", choices=["on", "off"], default=None,
+        help="the decode step's MLP norm folded into a copy of the gate/up weight, 1 / rms in the SiLU "
+        "kernel (default: the engine's, hf_decode.FOLD_MLP_NORM_DEFAULT)",
     )  # fmt: skip
     ap.add_argument(
         "--grouped-launch",

@@ -2,7 +2,7 @@
 # `make bench-gpu`: the GPU benchmarks, run on a GPU machine (here: through the device tool, one
 # H200 with torch but no rlkube install, no Ray, no vLLM, no network).
 #   bash bench/gpu/run.sh [weights] [rollout] [trainer] [ipc] [decode-step] [linear-layers] [linear-rollout]
-#   [harvest-ab] [split-down-ab] [gated-ab] [grouped-ab] [overlap]   (default: the first three)
+#   [harvest-ab] [split-down-ab] [gated-ab] [grouped-ab] [overlap] [fold-ab]   (default: the first three)
 # harvest-ab: the rollout with each chunk's tokens copied to the host behind it (the default) and
 # without (all read at collection), one after the other (harvest-ab/ under $out).
 # split-down-ab: the down projection split-K (hf_decode.split_k_partials): the residual GEMMs alone
@@ -20,6 +20,8 @@
 # overlap: the decode step's layers over two row halves on two CUDA streams, and with the MLP norm
 # folded into the gate/up weight, against all rows on one stream (overlap_gpu.py; 1.5b and 0.5b
 # at 512 rows, OVERLAP_ARGS to change).
+# fold-ab: the b512 and b64 rollout with the decode step's MLP norm unfolded, then folded
+# (hf_decode's fold_mlp_norm; fold-ab/off and fold-ab/on under $out).
 # linear-layers / linear-rollout: the fused linear kernel (rollout/decode_linear.py; off, slower on
 # an H100 at stop 29), in two calls of a few minutes each (linear-ab/ under $out): each layer alone against
 # cuBLAS per launch setting (64 and 512 rows) and the decode step with it on and off; then the
@@ -67,6 +69,13 @@ for bench in ${*:-weights rollout trainer}; do
     ipc) OUT=$out python3 "$top/bench/gpu/ipc_gpu.py" ${IPC_ARGS:-} > "$out/ipc-gpu.log" || status=1 ;;
     decode-step) OUT=$out python3 "$top/bench/gpu/decode_step_gpu.py" ${DECODE_STEP_ARGS:-} > "$out/decode-step-gpu.log" || status=1 ;;
     overlap) OUT=$out python3 "$top/bench/gpu/overlap_gpu.py" ${OVERLAP_ARGS:-} > "$out/overlap-gpu.log" || status=1 ;;
+    fold-ab)
+      # the rollout (b64, b512; both sizes) with the MLP norm unfolded, then folded, one process each
+      for fold in off on; do
+        mkdir -p "$out/fold-ab/$fold"
+        OUT=$out/fold-ab/$fold timeout 280 python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate \
+          --sizes 1.5b,0.5b --shapes b512,b64 --fold-mlp-norm $fold > "$out/fold-ab/$fold/rollout-gpu.log" || status=1
+      done ;;
     linear-layers)
       mkdir -p "$out/linear-ab"
       OUT=$out/linear-ab python3 "$top/bench/gpu/decode_step_gpu.py" --sizes 0.5b,1.5b --rows 64,512 \

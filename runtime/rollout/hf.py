@@ -42,6 +42,7 @@ from rlkube.runtime.rollout.base import (
 )
 from rlkube.runtime.rollout.hf_decode import (
     DOWN_SPLIT_K,
+    FOLD_MLP_NORM_DEFAULT,
     GATED_MIN_ROWS_DEFAULT,
     GROUPED_ATTENTION_MIN_ROWS_DEFAULT,
     LINEAR_MAX_ROWS_DEFAULT,
@@ -151,6 +152,7 @@ class HFEngine(ThreadedEngine):
         gated_min_rows: int = GATED_MIN_ROWS_DEFAULT,
         sampling: str = SAMPLING_DEFAULT,
         grouped_attention_min_rows: int = GROUPED_ATTENTION_MIN_ROWS_DEFAULT,
+        fold_mlp_norm: bool = FOLD_MLP_NORM_DEFAULT,
         freeze_heap: bool = True,
         seed: int = 0,
         version: int = 0,
@@ -184,6 +186,7 @@ class HFEngine(ThreadedEngine):
             gated_min_rows=gated_min_rows,
             sampling=sampling,
             grouped_attention_min_rows=grouped_attention_min_rows,
+            fold_mlp_norm=fold_mlp_norm,
         )
         self.sync_every = sync_every or (16 if self.device.type == "cuda" else 4)
         # The finished flags are copied this many steps before a chunk's end, so the host plans the
@@ -343,7 +346,9 @@ class HFEngine(ThreadedEngine):
             if unknown:
                 raise KeyError(f"unknown parameter names: {unknown[:5]}")
             self.last_load_stats = self._copier(targets, items, version)
-            # Written in place into the fused storage's own views: nothing to re-fuse.
+            # Written in place into the fused storage's own views: nothing to re-fuse, but the
+            # folded copies (fold_mlp_norm) are copies, rebuilt from the new weights.
+            self.decoder.refresh_folded()
             self._version = version
 
     def update_weights(self, buckets: Iterable[Any], version: int) -> set[str]:

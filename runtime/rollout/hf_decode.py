@@ -102,6 +102,11 @@ SAMPLING_DEFAULT = "cdf"
 # 0: never (one program per row and KV head): measured slower at every shape (H100, stop 41: the
 # b512 rollout 48.4 -> 41.0% of its bound at 1.5B, 39.2 -> 34.1% at 0.5B; docs/rollout.md).
 GROUPED_ATTENTION_MIN_ROWS_DEFAULT = 0
+# True: the decode step folds the MLP's RMS norm weight into a copy of the gate/up weight, runs the
+# GEMM on the raw residual and applies each row's 1 / rms in the SiLU kernel, so the norm needs
+# no kernel of its own (the prefill keeps the norm). The copy costs the gate/up weights' memory
+# again and is rebuilt after every weight load or sync (``refresh_folded``).
+FOLD_MLP_NORM_DEFAULT = False
 
 
 def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -184,8 +189,14 @@ class StaticDecoder:
         gated_min_rows: int = GATED_MIN_ROWS_DEFAULT,
         sampling: str = SAMPLING_DEFAULT,
         grouped_attention_min_rows: int = GROUPED_ATTENTION_MIN_ROWS_DEFAULT,
+        fold_mlp_norm: bool = FOLD_MLP_NORM_DEFAULT,
     ) -> None:
         cfg: Any = model.config
+        if not isinstance(fold_mlp_norm, bool):
+            raise ValueError(f"fold_mlp_norm must be True or False, not {fold_mlp_norm!r}")
+        self.fold_mlp_norm = fold_mlp_norm
+        # per layer, the gate/up weight with the MLP norm's weight folded in (fold_mlp_norm)
+        self._gu_folded: list[torch.Tensor] = []
         if sampling not in kernels.SAMPLE_REFS:
             raise ValueError(f"sampling must be one of {sorted(kernels.SAMPLE_REFS)}, not {sampling!r}")
         self.sampling = sampling
@@ -380,6 +391,7 @@ class StaticDecoder:
         self._attention: Any = None
         self._sampler: Any = None
         self._silu: Callable[[torch.Tensor], torch.Tensor] | None = None
+        self._scaled_silu: Callable[..., torch.Tensor] | None = None
         self._linear: decode_linear.TritonSmallLinear | None = None
         # buckets of at most this many rows run the fused small-batch linear kernel (0: cuBLAS)
         self.linear_max_rows = 0
@@ -409,6 +421,14 @@ class StaticDecoder:
                 vocab=self.vocab,
             )
             self._silu = self._checked_kernel("silu", lambda: kernels.silu_mul, rows=rows, inter=self.inter)
+            if self.fold_mlp_norm:
+                self._scaled_silu = self._checked_kernel(
+                    "scaled_silu",
+                    lambda: kernels.scaled_silu_mul,
+                    rows=rows,
+                    inter=self.inter,
+                    hidden=self.hidden,
+                )
             widths = self._linear_widths
             if linear_max_rows:
                 self._linear = self._checked_kernel(
@@ -489,6 +509,15 @@ class StaticDecoder:
         lin.launch = decode_linear.gated_launch(lin.hip)
         return lin
 
+    def _mlp_in_folded(
+        self, x: torch.Tensor, norm: torch.Tensor, w_gate_up_folded: torch.Tensor, eps: float
+    ) -> torch.Tensor:
+        """``layer_mlp_in`` with the norm folded: the GEMM on the raw residual against the folded
+        weight, then ``silu(s g) * (s u)`` with each row's ``s = 1 / rms(x)`` (``norm`` is in the
+        weight already)."""
+        scaled = self._scaled_silu or kernels.scaled_silu_mul_ref
+        return scaled(F.linear(x, w_gate_up_folded), x, eps)
+
     def _mlp_in_gated(
         self, x: torch.Tensor, norm: torch.Tensor, w_gate_up: torch.Tensor, eps: float
     ) -> torch.Tensor:
@@ -540,6 +569,20 @@ class StaticDecoder:
                 if b is not None:
                     _bind_views(b, [a.q_proj.bias, a.k_proj.bias, a.v_proj.bias])
                 _bind_views(gu, [m.gate_proj.weight, m.up_proj.weight])
+            self.refresh_folded()
+
+    @torch.no_grad()
+    def refresh_folded(self) -> None:
+        """Rebuild the folded gate/up weights from the current ones (``fold_mlp_norm``), in place:
+        the captured graphs keep their addresses. Every path that writes weights calls this."""
+        if not self.fold_mlp_norm:
+            return
+        for i, (layer, (_, _, gu)) in enumerate(zip(self.layers, self._fused, strict=True)):
+            norm = layer.post_attention_layernorm.weight
+            if i < len(self._gu_folded):
+                kernels.fold_norm_weight(gu, norm, out=self._gu_folded[i])
+            else:
+                self._gu_folded.append(kernels.fold_norm_weight(gu, norm))
 
     def _layer_weights(self, i: int) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
         w, b, gu = self._fused[i]
@@ -680,10 +723,13 @@ class StaticDecoder:
         lin = self._linear if nb <= self.linear_max_rows else None
         split = lin is None and bool(self.down_split_min_rows) and nb >= self.down_split_min_rows
         gated = lin is None and self._gated is not None and 0 < self.gated_min_rows <= nb
-        mlp_in = self._mlp_in_gated if gated else self._mlp_in_fn
+        fold = lin is None and not gated and self.fold_mlp_norm
+        mlp_in = self._mlp_in_gated if gated else self._mlp_in_folded if fold else self._mlp_in_fn
         pending: tuple[torch.Tensor, torch.Tensor | None] | None = None  # partials not yet in x
         for i in range(len(self.layers)):
             pre, post = self._layer_weights(i)
+            if fold:  # the gate/up weight with the MLP norm's weight in it
+                post = (*post[:3], self._gu_folded[i], *post[4:])
             kc, vc = self.k_cache[i], self.v_cache[i]
             if lin is not None:
                 norm, w_qkv, b_qkv = pre

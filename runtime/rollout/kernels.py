@@ -799,6 +799,21 @@ if HAVE_TRITON:
         u = tl.load(GU + r * s_gu + n_cols + c, mask=mask, other=0.0).to(tl.float32)
         tl.store(OUT + r * s_out + c, (g / (1.0 + tl.exp(-g)) * u).to(OUT.dtype.element_ty), mask=mask)
 
+    @triton.jit
+    def _scaled_silu_mul_kernel(
+        GU, X, OUT, n_cols, h, eps, s_gu, s_x, s_out, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr
+    ):
+        """``silu(s g) * (s u)`` with ``s = 1 / rms`` of the row's residual, read here."""
+        r = tl.program_id(0)
+        k = tl.arange(0, BLOCK_H)
+        xr = tl.load(X + r * s_x + k, mask=k < h, other=0.0).to(tl.float32)
+        s = 1.0 / tl.sqrt(tl.sum(xr * xr, 0) / h + eps)
+        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        mask = c < n_cols
+        g = tl.load(GU + r * s_gu + c, mask=mask, other=0.0).to(tl.float32) * s
+        u = tl.load(GU + r * s_gu + n_cols + c, mask=mask, other=0.0).to(tl.float32) * s
+        tl.store(OUT + r * s_out + c, (g / (1.0 + tl.exp(-g)) * u).to(OUT.dtype.element_ty), mask=mask)
+
 
 def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` of the fused gate/up projection's output [B, 2 I] (gate first)."""
@@ -816,6 +831,39 @@ def silu_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
         gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block
     )
     return out
+
+
+def scaled_silu_mul_ref(gate_up: torch.Tensor, x: torch.Tensor, eps: float) -> torch.Tensor:
+    """The gated MLP's input when the norm's weight is folded into the gate/up weight
+    (``fold_norm_weight``) and the GEMM ran on the raw residual ``x`` [B, H]: each row's
+    ``1 / rms(x)`` is the norm's missing factor, applied to gate and up before ``silu(g) * u``."""
+    s = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+    return silu_mul_ref(gate_up.float() * s).to(gate_up.dtype)
+
+
+def scaled_silu_mul(gate_up: torch.Tensor, x: torch.Tensor, eps: float, block: int = 1024) -> torch.Tensor:
+    """``scaled_silu_mul_ref`` as one Triton kernel: the row's residual is read by every program
+    of the row (a few KB from L2), so the norm needs no kernel of its own."""
+    b, n, h = gate_up.shape[0], gate_up.shape[1] // 2, x.shape[1]
+    assert gate_up.dim() == 2 and gate_up.stride(-1) == 1 and x.stride(-1) == 1 and x.shape[0] == b
+    out = torch.empty((b, n), dtype=gate_up.dtype, device=gate_up.device)
+    _scaled_silu_mul_kernel[(b, triton.cdiv(n, block))](
+        gate_up, x, out, n, h, eps, gate_up.stride(0), x.stride(0), out.stride(0),
+        BLOCK=block, BLOCK_H=_next_pow2(h),
+    )  # fmt: skip
+    return out
+
+
+def fold_norm_weight(
+    weight: torch.Tensor, norm: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``weight * norm`` over the input columns: ``norm(x) @ W.T == (x / rms(x)) @ (W * norm).T``,
+    so a GEMM on the folded weight needs only the per-row ``1 / rms`` afterwards. Into ``out``
+    (in place, the address a captured graph holds) when given."""
+    folded = weight.float() * norm.float()[None, :]
+    if out is None:
+        return folded.to(weight.dtype)
+    return out.copy_(folded)
 
 
 def _next_pow2(n: int) -> int:
@@ -1207,6 +1255,14 @@ def self_check(kind: str, fn: Any, device: torch.device, **shape: Any) -> str | 
             err = float((fn(gu).float() - want).norm() / want.norm())
             tol = 1e-2 if dtype != torch.float32 else 1e-5
             return None if err < tol else f"silu kernel: relative error {err:.3g}"
+        if kind == "scaled_silu":
+            rows, inter, hidden, dtype = shape["rows"], shape["inter"], shape["hidden"], shape["dtype"]
+            gu = (torch.randn(rows, 2 * inter, generator=g) * 3).to(device, dtype)
+            x = (torch.randn(rows, hidden, generator=g) * 5).to(device, dtype)
+            want = scaled_silu_mul_ref(gu.float(), x.float(), 1e-6)
+            err = float((fn(gu, x, 1e-6).float() - want).norm() / want.norm())
+            tol = 1e-2 if dtype != torch.float32 else 1e-5
+            return None if err < tol else f"scaled silu kernel: relative error {err:.3g}"
         if kind == "sample":
             rows, vocab, dtype = shape["rows"], shape["vocab"], shape["dtype"]
             x = (torch.randn(rows, vocab, generator=g) * 3).to(device, dtype)

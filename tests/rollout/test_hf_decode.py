@@ -270,6 +270,18 @@ KERNEL_SCRIPT = textwrap.dedent(
     # the MLP's silu(gate) * up: rows x column blocks, a ragged last block
     gu = torch.randn(5, 2 * 1500, generator=g) * 3
     out["silu_err"] = float((K.silu_mul(gu) - K.silu_mul_ref(gu)).abs().max())
+    # the same with the MLP norm folded: each row's 1 / rms from the residual (a ragged width)
+    x = torch.randn(5, 96, generator=g) * 7
+    got, ref = K.scaled_silu_mul(gu, x, 1e-6), K.scaled_silu_mul_ref(gu, x, 1e-6)
+    out["scaled_silu_err"] = float((got - ref).abs().max())
+    out["scaled_silu_check"] = K.self_check(
+        "scaled_silu", K.scaled_silu_mul, cpu, rows=3, inter=700, hidden=96, dtype=torch.float32
+    )
+    # folded weight on the raw residual == the norm, then the weight (float32: to rounding)
+    w, norm = torch.randn(2 * 1500, 96, generator=g), torch.rand(96, generator=g) + 0.5
+    want = K.silu_mul_ref(torch.nn.functional.rms_norm(x, (96,), norm, 1e-6) @ w.T)
+    folded = K.scaled_silu_mul_ref(x @ K.fold_norm_weight(w, norm).T, x, 1e-6)
+    out["fold_err"] = float((folded - want).abs().max() / want.abs().max())  # relative
     print(json.dumps(out))
     """
 )
@@ -376,6 +388,8 @@ def test_triton_kernels_match_their_references_in_the_interpreter(
     assert out["peaked_same_tokens"] and out["peaked_lp_err"] < 1e-5
     assert out["extreme_hash_token"] == 0
     assert out["silu_err"] < 1e-5
+    assert out["scaled_silu_err"] < 1e-5 and out["scaled_silu_check"] is None
+    assert out["fold_err"] < 1e-6
     variants = ("on", "off", "reuse-exp", "int-to-float", "reference")
     assert out["screen_picks"] == {k: [7000, 5, 7000, 5] for k in variants}
     assert out["reuse_all_picks"] == [7000, 7000]

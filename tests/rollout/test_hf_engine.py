@@ -443,3 +443,37 @@ def test_the_engine_freezes_the_warm_heap_once_before_its_first_call_returns(
             assert len(freezes) == 2
     finally:
         gc.unfreeze()
+
+
+def test_the_folded_mlp_norm_decodes_like_pytorch_after_every_kind_of_weight_update(
+    tiny_model_dir: Path, ref: torch.nn.Module, perturbed_state: dict[str, torch.Tensor]
+) -> None:
+    """``fold_mlp_norm``: the decode step's gate/up weight is a copy with the norm's weight in it,
+    so each way weights arrive (a direct load, checksummed buckets) must rebuild the copy, or the
+    engine would decode with the old MLP under the new version number."""
+    from rlkube.runtime.weights import WeightSender
+
+    eng = make_engine(
+        "hf", tiny_model_dir, device="cpu", dtype="float32", num_slots=8, max_seq_len=128, fold_mlp_norm=True
+    )
+    assert isinstance(eng, HFEngine)
+    new = hf_model(tiny_model_dir, perturbed_state)
+
+    def decodes_like(model: torch.nn.Module) -> None:
+        sampled = eng.generate(_requests(n=2, temperature=1.0, max_tokens=12, seed=3))
+        for c in sampled:
+            tf = teacher_forced_logprobs(model, c.prompt_ids, c.token_ids)
+            assert torch.allclose(torch.tensor(c.logprobs), tf, atol=LOGPROB_ATOL)
+        greedy = eng.generate(_requests(temperature=0.0, max_tokens=12))
+        assert [c.token_ids for c in greedy] == [hf_greedy(model, p, 12) for p in PROMPTS]
+
+    with eng:
+        assert eng.decoder.fold_mlp_norm and len(eng.decoder._gu_folded) == len(eng.decoder.layers)
+        decodes_like(ref)
+        eng.load_weights(perturbed_state.items(), version=1)  # the in-process direct copy
+        decodes_like(new)
+        buckets = list(WeightSender(bucket_megabytes=0.25).full(ref.named_parameters(), version=2))
+        eng.update_weights(buckets, version=2)  # checksummed buckets, as across processes
+        decodes_like(ref)
+    with pytest.raises(ValueError, match="fold_mlp_norm must be True or False"):
+        HFEngine(model=_tiny_qwen2_for_fused_test(), num_slots=2, max_seq_len=32, fold_mlp_norm="yes")  # type: ignore[arg-type]
