@@ -19,9 +19,9 @@ captured as one CUDA graph and replayed; the figure is the median of ``--repeats
 - ``two-stream-lag``: the second half starts once the first has finished layer 0, so the
   halves start one layer apart (where they drift from there is up to the GPU);
 - ``fold-mlp-norm``: all rows on one stream, one kernel fewer per layer: the MLP's RMS norm
-  weight folded into the gate/up weight (a copy the engine would rebuild after every weight
-  sync), the GEMM on the raw residual, and each row's ``1 / rms`` applied in the SiLU kernel,
-  which reads the row of the residual for it (``silu(s g) * (s u)``, s per row).
+  weight folded into the gate/up weight (the engine's ``fold_mlp_norm``: ``kernels.fold_norm_weight``),
+  the GEMM on the raw residual, and each row's ``1 / rms`` applied in the SiLU kernel
+  (``kernels.scaled_silu_mul``, which reads the row of the residual for it).
 
     python3 bench/gpu/overlap_gpu.py                      # GPU: 1.5b and 0.5b at 512 rows
     TRITON_INTERPRET=1 python3 bench/gpu/overlap_gpu.py --smoke   # CPU: tiny layers, no streams (CI)
@@ -59,48 +59,6 @@ GROUP, PROMPT, CONTEXT, CACHE = 8, 64, 192, 384
 VARIANTS = ("one-stream", "halves-serial", "two-stream", "two-stream-lag", "fold-mlp-norm")
 EPS = 1e-6
 
-try:  # the SiLU kernel with the norm's per-row scale (the fold-mlp-norm variant's candidate)
-    import triton
-    import triton.language as tl
-
-    @triton.jit
-    def _scaled_silu_mul_kernel(
-        GU, X, OUT, n_cols, h, eps, s_gu, s_x, s_out, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr
-    ):
-        r = tl.program_id(0)
-        k = tl.arange(0, BLOCK_H)
-        xr = tl.load(X + r * s_x + k, mask=k < h, other=0.0).to(tl.float32)
-        scale = 1.0 / tl.sqrt(tl.sum(xr * xr, 0) / h + eps)
-        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = c < n_cols
-        g = tl.load(GU + r * s_gu + c, mask=mask, other=0.0).to(tl.float32) * scale
-        u = tl.load(GU + r * s_gu + n_cols + c, mask=mask, other=0.0).to(tl.float32) * scale
-        tl.store(OUT + r * s_out + c, (g / (1.0 + tl.exp(-g)) * u).to(OUT.dtype.element_ty), mask=mask)
-
-    HAVE_TRITON = True
-except ImportError:
-    HAVE_TRITON = False
-
-
-def scaled_silu_mul(
-    gate_up: torch.Tensor, x: torch.Tensor, triton_kernel: bool, block: int = 1024
-) -> torch.Tensor:
-    """``silu(s g) * (s u)`` with ``s = 1 / rms(x)`` per row: the gated MLP's input when the
-    norm's weight is folded into the gate/up weight and the GEMM ran on the raw residual ``x``."""
-    n = gate_up.shape[1] // 2
-    if not triton_kernel:
-        s = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + EPS)
-        g, u = (gate_up.float() * s).chunk(2, dim=-1)
-        return (F.silu(g) * u).to(gate_up.dtype)
-    out = torch.empty((gate_up.shape[0], n), dtype=gate_up.dtype, device=gate_up.device)
-    h = x.shape[1]
-    grid = (gate_up.shape[0], triton.cdiv(n, block))
-    _scaled_silu_mul_kernel[grid](
-        gate_up, x, out, n, h, EPS, gate_up.stride(0), x.stride(0), out.stride(0),
-        BLOCK=block, BLOCK_H=triton.next_power_of_2(h),
-    )  # fmt: skip
-    return out
-
 
 class Layers:
     """Weights, caches and per-half attention kernels for one model shape."""
@@ -123,7 +81,7 @@ class Layers:
             for _ in range(self.n_layers)
         ]
         # the MLP norm's weight folded into the gate/up weight's input columns (fold-mlp-norm)
-        self.w_gu_folded = [(wt[5].float() * wt[4].float()[None, :]).to(dtype) for wt in self.weights]
+        self.w_gu_folded = [kernels.fold_norm_weight(wt[5], wt[4]) for wt in self.weights]
         self.kc = [torch.randn(rows, nkv, CACHE, d, generator=g).to(dev, dtype) for _ in range(self.n_layers)]
         self.vc = [torch.randn(rows, nkv, CACHE, d, generator=g).to(dev, dtype) for _ in range(self.n_layers)]
         ang = torch.arange(CACHE)[:, None] * torch.rand(d // 2, generator=g)[None]
@@ -165,7 +123,8 @@ class Layers:
             a = k.rope_attention_ref(qkv, self.cos, self.sin, pos, kc, vc, self.nh, CONTEXT + 1)
         x = torch.addmm(x, a.reshape(hi - lo, -1), w_o.t())
         if fold:
-            m = scaled_silu_mul(F.linear(x, self.w_gu_folded[i]), x, self.triton)
+            scaled = k.scaled_silu_mul if self.triton else k.scaled_silu_mul_ref
+            m = scaled(F.linear(x, self.w_gu_folded[i]), x, EPS)
         else:
             gu = F.linear(F.rms_norm(x, (self.h,), n2, EPS), w_gu)
             m = k.silu_mul(gu) if self.triton else k.silu_mul_ref(gu)
