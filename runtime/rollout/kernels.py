@@ -790,28 +790,22 @@ if HAVE_TRITON:
         tl.store(LP + r, tl.sum(tl.where(v == tok, x, 0.0), 0) - lse)
 
     @triton.jit
-    def _silu_mul_kernel(GU, OUT, n_cols, s_gu, s_out, BLOCK: tl.constexpr):
-        """``silu(gate) * up`` of one row's [gate | up] block, in float32, rounded once."""
+    def _silu_mul_kernel(
+        GU, X, OUT, n_cols, h, eps, s_gu, s_x, s_out,
+        BLOCK: tl.constexpr, BLOCK_H: tl.constexpr, SCALED: tl.constexpr,
+    ):  # fmt: skip
+        """``silu(gate) * up`` of one row's [gate | up] block, in float32, rounded once; with
+        ``SCALED``, gate and up first times ``s = 1 / rms`` of the row's residual ``X``, read here."""
         r = tl.program_id(0)
         c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = c < n_cols
         g = tl.load(GU + r * s_gu + c, mask=mask, other=0.0).to(tl.float32)
         u = tl.load(GU + r * s_gu + n_cols + c, mask=mask, other=0.0).to(tl.float32)
-        tl.store(OUT + r * s_out + c, (g / (1.0 + tl.exp(-g)) * u).to(OUT.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _scaled_silu_mul_kernel(
-        GU, X, OUT, n_cols, h, eps, s_gu, s_x, s_out, BLOCK: tl.constexpr, BLOCK_H: tl.constexpr
-    ):
-        """``silu(s g) * (s u)`` with ``s = 1 / rms`` of the row's residual, read here."""
-        r = tl.program_id(0)
-        k = tl.arange(0, BLOCK_H)
-        xr = tl.load(X + r * s_x + k, mask=k < h, other=0.0).to(tl.float32)
-        s = 1.0 / tl.sqrt(tl.sum(xr * xr, 0) / h + eps)
-        c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = c < n_cols
-        g = tl.load(GU + r * s_gu + c, mask=mask, other=0.0).to(tl.float32) * s
-        u = tl.load(GU + r * s_gu + n_cols + c, mask=mask, other=0.0).to(tl.float32) * s
+        if SCALED:
+            k = tl.arange(0, BLOCK_H)
+            xr = tl.load(X + r * s_x + k, mask=k < h, other=0.0).to(tl.float32)
+            s = 1.0 / tl.sqrt(tl.sum(xr * xr, 0) / h + eps)
+            g, u = g * s, u * s
         tl.store(OUT + r * s_out + c, (g / (1.0 + tl.exp(-g)) * u).to(OUT.dtype.element_ty), mask=mask)
 
 
@@ -824,12 +818,21 @@ def silu_mul_ref(gate_up: torch.Tensor) -> torch.Tensor:
 def silu_mul(gate_up: torch.Tensor, block: int = 1024) -> torch.Tensor:
     """``silu_mul_ref`` as one Triton kernel over rows x column blocks (no index division; the
     decode-step benchmark's A/B against inductor's fused kernel)."""
+    return _launch_silu_mul(gate_up, None, 0.0, block)
+
+
+def _launch_silu_mul(gate_up: torch.Tensor, x: torch.Tensor | None, eps: float, block: int) -> torch.Tensor:
+    """``_silu_mul_kernel`` over rows x column blocks; scaled by each row's ``1 / rms(x)`` when
+    ``x`` is given."""
     b, n = gate_up.shape[0], gate_up.shape[1] // 2
     assert gate_up.dim() == 2 and gate_up.stride(-1) == 1 and gate_up.shape[1] == 2 * n
+    assert x is None or (x.stride(-1) == 1 and x.shape[0] == b)
     out = torch.empty((b, n), dtype=gate_up.dtype, device=gate_up.device)
+    res = gate_up if x is None else x  # unread unless scaled
     _silu_mul_kernel[(b, triton.cdiv(n, block))](
-        gate_up, out, n, gate_up.stride(0), out.stride(0), BLOCK=block
-    )
+        gate_up, res, out, n, res.shape[1], eps, gate_up.stride(0), res.stride(0), out.stride(0),
+        BLOCK=block, BLOCK_H=_next_pow2(res.shape[1]) if x is not None else 1, SCALED=x is not None,
+    )  # fmt: skip
     return out
 
 
@@ -842,16 +845,9 @@ def scaled_silu_mul_ref(gate_up: torch.Tensor, x: torch.Tensor, eps: float) -> t
 
 
 def scaled_silu_mul(gate_up: torch.Tensor, x: torch.Tensor, eps: float, block: int = 1024) -> torch.Tensor:
-    """``scaled_silu_mul_ref`` as one Triton kernel: the row's residual is read by every program
-    of the row (a few KB from L2), so the norm needs no kernel of its own."""
-    b, n, h = gate_up.shape[0], gate_up.shape[1] // 2, x.shape[1]
-    assert gate_up.dim() == 2 and gate_up.stride(-1) == 1 and x.stride(-1) == 1 and x.shape[0] == b
-    out = torch.empty((b, n), dtype=gate_up.dtype, device=gate_up.device)
-    _scaled_silu_mul_kernel[(b, triton.cdiv(n, block))](
-        gate_up, x, out, n, h, eps, gate_up.stride(0), x.stride(0), out.stride(0),
-        BLOCK=block, BLOCK_H=_next_pow2(h),
-    )  # fmt: skip
-    return out
+    """``scaled_silu_mul_ref`` as the SiLU kernel scaled: the row's residual is read by every
+    program of the row (a few KB from L2), so the norm needs no kernel of its own."""
+    return _launch_silu_mul(gate_up, x, eps, block)
 
 
 def fold_norm_weight(
@@ -1248,21 +1244,17 @@ def self_check(kind: str, fn: Any, device: torch.device, **shape: Any) -> str | 
                     if why:
                         return f"grouped rope attention kernel (shared prompts {sharing}): {why}"
             return None
-        if kind == "silu":
+        if kind in ("silu", "scaled_silu"):  # the plain kernel, or scaled by the rows' 1 / rms
             rows, inter, dtype = shape["rows"], shape["inter"], shape["dtype"]
             gu = (torch.randn(rows, 2 * inter, generator=g) * 3).to(device, dtype)
-            want = silu_mul_ref(gu.float())
-            err = float((fn(gu).float() - want).norm() / want.norm())
+            if kind == "silu":
+                want, got = silu_mul_ref(gu.float()), fn(gu)
+            else:
+                x = (torch.randn(rows, shape["hidden"], generator=g) * 5).to(device, dtype)
+                want, got = scaled_silu_mul_ref(gu.float(), x.float(), 1e-6), fn(gu, x, 1e-6)
+            err = float((got.float() - want).norm() / want.norm())
             tol = 1e-2 if dtype != torch.float32 else 1e-5
-            return None if err < tol else f"silu kernel: relative error {err:.3g}"
-        if kind == "scaled_silu":
-            rows, inter, hidden, dtype = shape["rows"], shape["inter"], shape["hidden"], shape["dtype"]
-            gu = (torch.randn(rows, 2 * inter, generator=g) * 3).to(device, dtype)
-            x = (torch.randn(rows, hidden, generator=g) * 5).to(device, dtype)
-            want = scaled_silu_mul_ref(gu.float(), x.float(), 1e-6)
-            err = float((fn(gu, x, 1e-6).float() - want).norm() / want.norm())
-            tol = 1e-2 if dtype != torch.float32 else 1e-5
-            return None if err < tol else f"scaled silu kernel: relative error {err:.3g}"
+            return None if err < tol else f"{kind.replace('_', ' ')} kernel: relative error {err:.3g}"
         if kind == "sample":
             rows, vocab, dtype = shape["rows"], shape["vocab"], shape["dtype"]
             x = (torch.randn(rows, vocab, generator=g) * 3).to(device, dtype)

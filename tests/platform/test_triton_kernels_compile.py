@@ -114,7 +114,11 @@ def _variants() -> list[tuple[str, Any, dict[str, str], dict[str, Any]]]:
     out.append(("cdf sampling blocks", decode._cdf_blocks_kernel, cdf_ptrs, consts))
     consts = dict(BLOCK_NB=512, BLOCK=decode.CDF_BLOCK)
     out.append(("cdf sampling pick", decode._cdf_pick_kernel, cdf_ptrs, consts))
-    out.append(("silu mul", decode._silu_mul_kernel, {"GU": "*bf16", "OUT": "*bf16"}, dict(BLOCK=1024)))
+    # the MLP's SiLU: plain, and scaled by each row's 1 / rms (hf_decode's fold_mlp_norm, 1.5B's width)
+    silu_ptrs = {**dict.fromkeys(("GU", "X", "OUT"), "*bf16"), "eps": F32}
+    for scaled, block_h in ((False, 1), (True, 2048)):
+        consts = dict(BLOCK=1024, BLOCK_H=block_h, SCALED=scaled)
+        out.append((f"silu mul scaled={scaled}", decode._silu_mul_kernel, silu_ptrs, consts))
     lin_ptrs = {
         **dict.fromkeys(("X", "W", "NORM_W", "BIAS", "OUT"), "*bf16"),
         **dict.fromkeys(("WS", "WS_SQ"), "*fp32"), "COUNT": "*i32", "eps": F32,
