@@ -21,7 +21,8 @@
 # folded into the gate/up weight, against all rows on one stream (overlap_gpu.py; 1.5b and 0.5b
 # at 512 rows, OVERLAP_ARGS to change).
 # fold-ab: the b512 and b64 rollout with the decode step's MLP norm unfolded, then folded
-# (hf_decode's fold_mlp_norm; fold-ab/off and fold-ab/on under $out).
+# (hf_decode's fold_mlp_norm; fold-ab/ and fold-ab/on under $out; stop 41's results, in
+# bench/results/h100-stop41/fold-ab/, were taken into off/ and on/).
 # linear-layers / linear-rollout: the fused linear kernel (rollout/decode_linear.py; off, slower on
 # an H100 at stop 29), in two calls of a few minutes each (linear-ab/ under $out): each layer alone against
 # cuBLAS per launch setting (64 and 512 rows) and the decode step with it on and off; then the
@@ -48,16 +49,16 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
 
 status=0
-# The b512 rollout at both sizes with one setting off, then on: b512_rollout_ab DIR SECONDS FLAG OFF ON
-# runs rollout_gpu.py with "FLAG OFF" into $out/DIR and "FLAG ON" into $out/DIR/on, each process
-# time-boxed to SECONDS.
-b512_rollout_ab() {
-  local dir=$1 limit=$2 flag=$3 off=$4 on=$5
+# The rollout at both sizes with one setting off, then on: rollout_ab DIR SECONDS SHAPES FLAG OFF ON
+# runs rollout_gpu.py on SHAPES with "FLAG OFF" into $out/DIR and "FLAG ON" into $out/DIR/on, each
+# process time-boxed to SECONDS.
+rollout_ab() {
+  local dir=$1 limit=$2 shapes=$3 flag=$4 off=$5 on=$6
   mkdir -p "$out/$dir/on"
   OUT=$out/$dir timeout "$limit" python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate --sizes 1.5b,0.5b \
-    --shapes b512 "$flag" "$off" > "$out/$dir/rollout-gpu.log" || status=1
+    --shapes "$shapes" "$flag" "$off" > "$out/$dir/rollout-gpu.log" || status=1
   OUT=$out/$dir/on timeout "$limit" python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate --sizes 1.5b,0.5b \
-    --shapes b512 "$flag" "$on" > "$out/$dir/on/rollout-gpu.log" || status=1
+    --shapes "$shapes" "$flag" "$on" > "$out/$dir/on/rollout-gpu.log" || status=1
 }
 
 for bench in ${*:-weights rollout trainer}; do
@@ -69,13 +70,7 @@ for bench in ${*:-weights rollout trainer}; do
     ipc) OUT=$out python3 "$top/bench/gpu/ipc_gpu.py" ${IPC_ARGS:-} > "$out/ipc-gpu.log" || status=1 ;;
     decode-step) OUT=$out python3 "$top/bench/gpu/decode_step_gpu.py" ${DECODE_STEP_ARGS:-} > "$out/decode-step-gpu.log" || status=1 ;;
     overlap) OUT=$out python3 "$top/bench/gpu/overlap_gpu.py" ${OVERLAP_ARGS:-} > "$out/overlap-gpu.log" || status=1 ;;
-    fold-ab)
-      # the rollout (b64, b512; both sizes) with the MLP norm unfolded, then folded, one process each
-      for fold in off on; do
-        mkdir -p "$out/fold-ab/$fold"
-        OUT=$out/fold-ab/$fold timeout 280 python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate \
-          --sizes 1.5b,0.5b --shapes b512,b64 --fold-mlp-norm $fold > "$out/fold-ab/$fold/rollout-gpu.log" || status=1
-      done ;;
+    fold-ab) rollout_ab fold-ab 280 b512,b64 --fold-mlp-norm off on ;;
     linear-layers)
       mkdir -p "$out/linear-ab"
       OUT=$out/linear-ab python3 "$top/bench/gpu/decode_step_gpu.py" --sizes 0.5b,1.5b --rows 64,512 \
@@ -107,13 +102,13 @@ for bench in ${*:-weights rollout trainer}; do
         --configs default,gated,gated-t64x128,gated-t128x64,default --repeats 3 --no-capture-check \
         --linear t128,t128s4,t64x128,t128x64,t128x64w8,t64x256,gemm-only --linear-rows 512,256 \
         --linear-layers gated > "$out/gated-ab/decode-step-gpu.log" || status=1
-      b512_rollout_ab gated-ab 140 --gated-min-rows 0 256 ;;
+      rollout_ab gated-ab 140 b512 --gated-min-rows 0 256 ;;
     grouped-ab)
       mkdir -p "$out/grouped-ab"
       OUT=$out/grouped-ab timeout 120 python3 "$top/bench/gpu/decode_step_gpu.py" --sizes= --rows 64 \
         --attention default,grouped,grouped-w8 --attention-shapes b512,b64 --repeats 5 --no-capture-check \
         > "$out/grouped-ab/decode-step-gpu.log" || status=1
-      b512_rollout_ab grouped-ab 210 --grouped-attention-min-rows 0 512 ;;
+      rollout_ab grouped-ab 210 b512 --grouped-attention-min-rows 0 512 ;;
     linear-rollout)
       mkdir -p "$out/linear-ab/on"
       OUT=$out/linear-ab python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate \
