@@ -27,7 +27,9 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import itertools
 import json
+import math
 import os
 import statistics
 import time
@@ -353,6 +355,9 @@ ATTENTION_VARIANTS: dict[str, dict[str, Any]] = {
     "b128w8s2": {"block_n": 128, "launch": {"num_warps": 8, "num_stages": 2}},
     "split64": {"split": 64},
     "split128": {"split": 128},
+    "split256": {"split": 256},
+    "split512": {"split": 512},
+    "direct": {"split": "direct"},  # one program per row and KV head over its whole context
     "split64w4s2": {"split": 64, "launch": {"num_warps": 4, "num_stages": 2}},
     # the grouped kernel: one program per group of rows reading one prompt copy (hf_decode's
     # grouped_attention_min_rows), with Triton's defaults or 8 warps / 2 stages
@@ -363,7 +368,19 @@ ATTENTION_VARIANTS: dict[str, dict[str, Any]] = {
 }
 # (rows, context of every row, cache length) per shape: today's job (64 rows), the batch-512 target,
 # and long RL responses (contexts spread over [context / 2, 3 context / 2])
-ATTENTION_SHAPES = {"b64": (64, 192, 384), "b512": (512, 192, 384), "b512-long": (512, 700, 1408)}
+ATTENTION_SHAPES = {
+    "b64": (64, 192, 384),
+    "b512": (512, 192, 384),
+    "b512-long": (512, 700, 1408),
+    "b256-long": (256, 700, 1408),
+    "b128-long": (128, 700, 1408),
+    "b64-long": (64, 700, 1408),
+}
+# the caches are copied until the copies together hold this many bytes and every timed call reads
+# the next copy: as in a decode step, where each layer reads its own cache, nothing is still in L2
+# (50 MB on an H100) from the call before (until stop 42 every call read one copy: at 512 rows of
+# 0.5B heads, 36 MB, the timing was mostly cache hits)
+COLD_BYTES = 1 << 30
 
 
 def bench_attention(
@@ -379,7 +396,8 @@ def bench_attention(
 ) -> list[dict[str, Any]]:
     """The rope-attention kernel alone, each of ATTENTION_VARIANTS on the same inputs (groups of 8
     rows sharing a 64-position prompt, as a rollout's samples do), against the read of the bytes it
-    needs: each group's prompt K/V once, every row's own K/V, the q/k/v rows, the output."""
+    needs: each group's prompt K/V once, every row's own K/V, the q/k/v rows, the output. The calls
+    cycle through copies of the caches (``COLD_BYTES``), so each reads from memory, not L2."""
     from rlkube.runtime.rollout import kernels
 
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
@@ -408,7 +426,9 @@ def bench_attention(
             kc[r, :, :n], vc[r, :, :n] = kc[lead[r], :, :n], vc[lead[r], :, :n]
         kc, vc = kc.to(dev, dtype), vc.to(dev, dtype)
         pos_d, lead_d, shared_d = pos.to(dev), lead.to(dev), shared.to(dev)
-        inputs = (qkv, cos, ssin, pos_d, kc, vc)
+        cache_bytes = 2 * kc.numel() * kc.element_size()
+        copies = 1 if dev.type == "cpu" else max(2, math.ceil(COLD_BYTES / cache_bytes))
+        caches = [(kc, vc)] + [(kc.clone(), vc.clone()) for _ in range(copies - 1)]
         el = kc.element_size()
         kv_bytes = 2 * n_kv * d * el * int((pos + 1 - shared).sum())  # own K/V, the new token's included
         needed = kv_bytes + qkv.numel() * el + rows * n_heads * d * el
@@ -426,13 +446,19 @@ def bench_attention(
                 )
                 groups = tuple(t.to(dev) for t in table)
 
-            call = functools.partial(
-                att.rope_attend, *inputs, n_heads, split=split, share_row=lead_d, share_len=shared_d,
-                groups=groups,
-            )  # fmt: skip
+            split = att.max_seq if split == "direct" else split
+            each = [
+                functools.partial(
+                    att.rope_attend, qkv, cos, ssin, pos_d, k, v, n_heads, split=split, share_row=lead_d,
+                    share_len=shared_d, groups=groups,
+                )
+                for k, v in caches
+            ]  # fmt: skip
+            call = functools.partial(next_call, itertools.cycle(each))  # the next copy each time
+
             try:
-                got = call().float()
-                times = common.timed_calls(call, dev, calls, repeats)
+                got = each[0]().float()
+                times = common.timed_calls(call, dev, calls * len(each), repeats)
             except Exception as exc:
                 err = f"{type(exc).__name__}: {exc}"[:1500]
                 out.append({"attention": shape, "variant": name, "error": err})
@@ -442,7 +468,7 @@ def bench_attention(
             t = statistics.median(times)
             out.append({
                 "attention": shape, "variant": name, "heads": n_heads, "kv_heads": n_kv, "head_dim": d,
-                "rows": rows, "mean_context": float(pos.float().mean()),
+                "rows": rows, "mean_context": float(pos.float().mean()), "cache_copies": len(caches),
                 "split": split or att.split_for(rows),
                 "us": 1e6 * t, "us_range": [1e6 * min(times), 1e6 * max(times)], "bytes_needed": needed,
                 "fraction_of_read_bound": needed / read_bps / t,
@@ -450,6 +476,11 @@ def bench_attention(
             })  # fmt: skip
             print(json.dumps(out[-1]), flush=True)
     return out
+
+
+def next_call(calls: Any) -> Any:
+    """Run the next of an endless iterator of calls."""
+    return next(calls)()
 
 
 def capture_failure_check(dev: torch.device) -> dict[str, Any]:

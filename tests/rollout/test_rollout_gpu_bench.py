@@ -180,7 +180,7 @@ def test_trainer_gpu_bench_halves_its_passes_after_running_out_of_gpu_memory(
 def test_decode_step_bench_times_the_attention_kernel_alone_per_launch_setting(tmp_path: Path) -> None:
     """``--attention``: each launch setting and split of the kernel on the same inputs (groups
     sharing a prompt), the same output as the first setting, timed against the bytes it needs."""
-    variants = ("default", "w2s2", "b32w4s2", "split64", "grouped")
+    variants = ("default", "w2s2", "b32w4s2", "split64", "direct", "grouped")
     proc = run_bench(
         "decode_step_gpu.py", tmp_path, "--configs", "default", "--attention", ",".join(variants),
         "--attention-shapes", "b512,b512-long", "--no-capture-check", gpu_machine=True,
@@ -194,7 +194,7 @@ def test_decode_step_bench_times_the_attention_kernel_alone_per_launch_setting(t
     ]
     assert all("error" not in r and r["us"] > 0 and r["bytes_needed"] > 0 for r in rows)
     assert all(r["max_abs_diff_vs_first"] < 1e-4 for r in rows)  # float32 on the CPU
-    assert [r["split"] for r in rows[:4]] == [128, 128, 128, 64]
+    assert [r["split"] for r in rows[:5]] == [128, 128, 128, 64, 128]  # direct: the whole cache
 
 
 def test_decode_step_bench_times_each_linear_layer_against_cublas_and_the_step_with_it_off(
