@@ -98,7 +98,7 @@ DOWN_SPLIT_K = 2
 SAMPLING_DEFAULT = "cdf"
 # Batch buckets of at least this many rows run the grouped attention kernel (one program per group
 # of up to 8 rows that read one prompt copy: the prompt's K/V read once per group, not once per
-# row from L2) where the whole cache fits one split (``TritonDecodeAttention.DIRECT_MAX_SEQ``).
+# row from L2) where the whole cache fits one split (``TritonDecodeAttention.split_for``).
 # 0: never (one program per row and KV head): measured slower at every shape (H100, stop 41: the
 # b512 rollout 48.4 -> 41.0% of its bound at 1.5B, 39.2 -> 34.1% at 0.5B; docs/rollout.md).
 GROUPED_ATTENTION_MIN_ROWS_DEFAULT = 0

@@ -539,6 +539,20 @@ def test_a_step_records_running_rows_and_moves_on_only_those_that_continue() -> 
     assert cur_tok.tolist() == [11, 2, 3, 4] and pos.tolist() == [11, 20, 30, 40]
 
 
+def test_the_attention_split_keeps_programs_long_and_splits_only_small_grids() -> None:
+    """``split_for``: one program per row and KV head over the whole cache unless the grid would be
+    small, then splits of at least ``MIN_SPLIT`` positions (the policy the attention-alone bench
+    measured best on an H100: splits cost a float32 partial per padded query head and a combine)."""
+    att = kernels.TritonDecodeAttention(512, 2, 6, 128, 1408, torch.device("cpu"))
+    assert [att.split_for(r) for r in (512, 256, 128)] == [1408] * 3  # whole cache: no combine kernel
+    assert att.split_for(64) == 512 and att.split_for(8) == 512  # 128 programs: 3 splits of 512
+    long = kernels.TritonDecodeAttention(64, 2, 6, 128, 20000, torch.device("cpu"))
+    split = long.split_for(64)
+    assert split == 8192 and 64 * 2 * -(-20000 // split) <= long.TARGET_PROGRAMS
+    short = kernels.TritonDecodeAttention(8, 2, 7, 64, 320, torch.device("cpu"))
+    assert short.split_for(1) == 320  # a cache within MIN_SPLIT is never split
+
+
 def test_decode_attention_reference_masks_each_row_to_its_length() -> None:
     g = torch.Generator().manual_seed(0)
     q, kc, vc = (torch.randn(3, 2, 4, 16, generator=g) for _ in range(3))
