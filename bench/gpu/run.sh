@@ -2,7 +2,8 @@
 # `make bench-gpu`: the GPU benchmarks, run on a GPU machine (here: through the device tool, one
 # H200 with torch but no rlkube install, no Ray, no vLLM, no network).
 #   bash bench/gpu/run.sh [weights] [rollout] [trainer] [ipc] [decode-step] [linear-layers] [linear-rollout]
-#   [harvest-ab] [split-down-ab] [gated-ab] [grouped-ab] [overlap] [fold-ab]   (default: the first three)
+#   [harvest-ab] [split-down-ab] [gated-ab] [grouped-ab] [overlap] [fold-ab] [attention-variants]
+#   (default: the first three)
 # harvest-ab: the rollout with each chunk's tokens copied to the host behind it (the default) and
 # without (all read at collection), one after the other (harvest-ab/ under $out).
 # split-down-ab: the down projection split-K (hf_decode.split_k_partials): the residual GEMMs alone
@@ -23,6 +24,9 @@
 # fold-ab: the b512 and b64 rollout with the decode step's MLP norm unfolded, then folded
 # (hf_decode's fold_mlp_norm; fold-ab/ and fold-ab/on under $out; stop 41's results, in
 # bench/results/h100-stop41/fold-ab/, were taken into off/ and on/).
+# attention-variants: the decode attention kernel's code variants against the engine's, the access
+# pattern's own bound, the SiLU per launch and the step's GEMMs split-K (attention_variants_gpu.py;
+# ATTENTION_VARIANTS_ARGS to change, e.g. "--old-kernels <checkout>/runtime/rollout/kernels.py").
 # linear-layers / linear-rollout: the fused linear kernel (rollout/decode_linear.py; off, slower on
 # an H100 at stop 29), in two calls of a few minutes each (linear-ab/ under $out): each layer alone against
 # cuBLAS per launch setting (64 and 512 rows) and the decode step with it on and off; then the
@@ -70,6 +74,9 @@ for bench in ${*:-weights rollout trainer}; do
     ipc) OUT=$out python3 "$top/bench/gpu/ipc_gpu.py" ${IPC_ARGS:-} > "$out/ipc-gpu.log" || status=1 ;;
     decode-step) OUT=$out python3 "$top/bench/gpu/decode_step_gpu.py" ${DECODE_STEP_ARGS:-} > "$out/decode-step-gpu.log" || status=1 ;;
     overlap) OUT=$out python3 "$top/bench/gpu/overlap_gpu.py" ${OVERLAP_ARGS:-} > "$out/overlap-gpu.log" || status=1 ;;
+    attention-variants)
+      OUT=$out python3 "$top/bench/gpu/attention_variants_gpu.py" ${ATTENTION_VARIANTS_ARGS:-} \
+        > "$out/attention-variants-gpu.log" || status=1 ;;
     fold-ab) rollout_ab fold-ab 280 b512,b64 --fold-mlp-norm off on ;;
     linear-layers)
       mkdir -p "$out/linear-ab"

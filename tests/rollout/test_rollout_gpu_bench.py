@@ -254,3 +254,23 @@ def test_overlap_bench_variants_compute_what_the_one_pass_step_does(tmp_path: Pa
     assert all(r["max_abs_diff_vs_first"] < 1e-4 for r in rows)  # fp32 on the CPU
     assert all(r["bound_s"] == max(r["memory_s"], r["compute_s"]) for r in rows)
     assert all(0 < r["fraction_of_bound"] < 1 for r in rows)
+
+
+def test_attention_variants_bench_matches_the_engine_kernel_and_times_each_part(tmp_path: Path) -> None:
+    """``attention_variants_gpu.py``: the kernel's code variants give the engine kernel's output on
+    the same inputs (the copy stop 42 took into the engine among them); the access pattern's own
+    bound, the SiLU launches and the split-K GEMMs are timed alongside."""
+    variants = ("prod", "direct", "early", "nomask", "twoloops", "headmajor", "stream")
+    proc = run_bench(
+        "attention_variants_gpu.py", tmp_path, "--contexts", "40", "--sizes", "1.5b",
+        "--variants", ",".join(variants), "--parts", "attention,silu,gemm", gpu_machine=True,
+        env_extra={"TRITON_INTERPRET": "1"},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads((tmp_path / "attention-variants-gpu.json").read_text())
+    rows = report["attention"]
+    assert [r["variant"] for r in rows] == list(variants)
+    assert all(r["us"] > 0 and r["fraction_of_read_bound"] > 0 for r in rows)
+    assert all(r["max_abs_diff_vs_prod"] < 1e-4 for r in rows if r["variant"] != "stream")  # float32
+    assert all(r["same_as_default"] for r in report["silu"] if r["silu"] == "plain")
+    assert {r["gemm"] for r in report["gemm"]} >= {"o-addmm", "o-split2", "qkv-bias", "qkv-split2"}
