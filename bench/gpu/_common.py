@@ -110,6 +110,15 @@ def sync(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
+def cycling(calls: list[Any]) -> Any:
+    """One callable running the next of ``calls`` each time (round robin): timed over copies of
+    its inputs, a kernel reads each from memory, not from the cache the call before filled."""
+    import itertools
+
+    turn = itertools.cycle(calls)
+    return lambda: next(turn)()
+
+
 def timed_calls(fn: Any, dev: Any, calls: int, repeats: int) -> list[float]:
     """Seconds per call of ``fn``, ``calls`` at a time; on CUDA replayed from a graph, as the decode
     step runs it (a Python launch costs more than the kernel at 64 rows)."""

@@ -35,7 +35,6 @@ import json
 import math
 import os
 import statistics
-import time
 from pathlib import Path
 from typing import Any
 
@@ -59,6 +58,15 @@ def _rope_vec(QKV, col0, c, s, D: tl.constexpr):
     x = tl.load(QKV + col0 + d).to(tl.float32)
     x_p = tl.load(QKV + col0 + tl.where(d < half, d + half, d - half)).to(tl.float32)
     return x * c + x_p * s
+
+
+@triton.jit
+def _softmax_step(s, v, m_i, l_i, acc):
+    """One block of the online softmax in base 2: scores ``s`` [G, N] (masked), values ``v`` [N, D]."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    p = tl.exp2(s - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    return m_new, l_i * alpha + tl.sum(p, 1), acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
 
 
 @triton.jit
@@ -110,13 +118,7 @@ def _attn_variant(
             n = n0 + offs_n
             k = tl.load(k_src + n[:, None] * sk_s + offs_d[None, :])
             v = tl.load(v_src + n[:, None] * sv_s + offs_d[None, :])
-            s = tl.dot(q, tl.trans(k))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            p = tl.exp2(s - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+            m_i, l_i, acc = _softmax_step(tl.dot(q, tl.trans(k)), v, m_i, l_i, acc)
         lo = shared_end
     else:
         lo = 0
@@ -135,14 +137,8 @@ def _attn_variant(
         else:
             k = tl.load(kb + n[:, None] * sk_s + offs_d[None, :], mask=nmask[:, None], other=0.0)
             v = tl.load(vb + n[:, None] * sv_s + offs_d[None, :], mask=nmask[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k))
-        s = tl.where(nmask[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        p = tl.exp2(s - m_new[:, None])
-        alpha = tl.exp2(m_i - m_new)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        s = tl.where(nmask[None, :], tl.dot(q, tl.trans(k)), float("-inf"))
+        m_i, l_i, acc = _softmax_step(s, v, m_i, l_i, acc)
     s_new = tl.sum(q.to(tl.float32) * k_new.to(tl.float32)[None, :], 1)
     m_new = tl.maximum(m_i, s_new)
     p = tl.exp2(s_new - m_new)
@@ -291,31 +287,6 @@ def make_inputs(
     return out, kv_bytes
 
 
-def time_rotating(calls: list[Any], dev: Any, reps: int, repeats: int) -> list[float]:
-    """Seconds per call, cycling through input sets (each larger than L2 together), from a graph."""
-
-    def run() -> None:
-        for _ in range(reps):
-            for c in calls:
-                c()
-
-    if dev.type == "cuda":
-        run()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            run()
-        run = graph.replay
-    times = []
-    for _ in range(repeats):
-        common.sync(dev)
-        t = time.perf_counter()
-        run()
-        common.sync(dev)
-        times.append((time.perf_counter() - t) / (reps * len(calls)))
-    return times
-
-
 def bench_attention(args: argparse.Namespace, dev: Any, read_bps: float) -> list[dict[str, Any]]:
     res = []
     shapes = [("0.5b", 14, 2, 64), ("1.5b", 12, 2, 128)]
@@ -336,7 +307,12 @@ def bench_attention(args: argparse.Namespace, dev: Any, read_bps: float) -> list
                     calls = [variant_call(name, cfg, s, n_heads, att) for s in sets]
                     # each call writes the new token's k/v at pos: same value every time, so repeatable
                     got = calls[0]().float()
-                    times = time_rotating(calls, dev, 1 if args.smoke else 5, 1 if args.smoke else 5)
+                    times = common.timed_calls(
+                        common.cycling(calls),
+                        dev,
+                        len(calls) * (1 if args.smoke else 5),
+                        1 if args.smoke else 5,
+                    )
                 except Exception as exc:
                     res.append(
                         {

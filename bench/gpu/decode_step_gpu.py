@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
-import itertools
 import json
 import math
 import os
@@ -454,7 +453,7 @@ def bench_attention(
                 )
                 for k, v in caches
             ]  # fmt: skip
-            call = functools.partial(next_call, itertools.cycle(each))  # the next copy each time
+            call = common.cycling(each)  # the next copy of the caches each time
 
             try:
                 got = each[0]().float()
@@ -476,11 +475,6 @@ def bench_attention(
             })  # fmt: skip
             print(json.dumps(out[-1]), flush=True)
     return out
-
-
-def next_call(calls: Any) -> Any:
-    """Run the next of an endless iterator of calls."""
-    return next(calls)()
 
 
 def capture_failure_check(dev: torch.device) -> dict[str, Any]:
