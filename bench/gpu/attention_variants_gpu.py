@@ -49,15 +49,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from rlkube.runtime.rollout import kernels  # noqa: E402
-
-
-@triton.jit
-def _rope_vec(QKV, col0, c, s, D: tl.constexpr):
-    d = tl.arange(0, D)
-    half = D // 2
-    x = tl.load(QKV + col0 + d).to(tl.float32)
-    x_p = tl.load(QKV + col0 + tl.where(d < half, d + half, d - half)).to(tl.float32)
-    return x * c + x_p * s
+from rlkube.runtime.rollout.kernels import _rope_row  # noqa: E402
 
 
 @triton.jit
@@ -102,7 +94,7 @@ def _attn_variant(
     q_p = tl.load(row + qcol + rot[None, :], mask=gmask[:, None], other=0.0).to(tl.float32)
     q = (q * c[None, :] + q_p * sn[None, :]) * qk_scale  # scale and log2(e) folded into q
     q = q.to(K.dtype.element_ty)
-    k_new = _rope_vec(row, (N_HEADS + h) * D, c, sn, D).to(K.dtype.element_ty)
+    k_new = _rope_row(row, (N_HEADS + h) * D, c, sn, D).to(K.dtype.element_ty)
     v_new = tl.load(row + (N_HEADS + n_kv + h) * D + offs_d)
     k_own = K + b * sk_b + h * sk_h
     v_own = V + b * sv_b + h * sv_h
