@@ -102,6 +102,72 @@ def run_info(device: Any, ceil: dict[str, Any], args: Any) -> dict[str, Any]:
     }
 
 
+class DecodeAttentionInputs:
+    """One decode step's inputs to the rope-attention kernel, as a rollout's rows hold them.
+
+    Rows come in groups of ``group`` samples of one prompt: each row's cache repeats its group
+    leader's first ``min(own position, leader's position, prompt)`` positions (prefill wrote the
+    prompt to each row), which a sharing kernel reads once per group. ``mixed``: positions uniform
+    in [context/2, 3 context/2) (a long rollout's spread), else all at ``context``.
+    """
+
+    def __init__(
+        self,
+        rows: int,
+        n_heads: int,
+        n_kv: int,
+        d: int,
+        context: int,
+        seq: int,
+        dev: Any,
+        mixed: bool,
+        seed: int = 0,
+        group: int = 8,
+        prompt: int = 64,
+    ) -> None:
+        import torch
+
+        dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+        g = torch.Generator().manual_seed(seed)
+        if mixed:
+            pos = torch.randint(context // 2, 3 * context // 2, (rows,), generator=g).clamp(max=seq - 1)
+        else:
+            pos = torch.full((rows,), context)
+        idx = torch.arange(rows)
+        lead = idx - idx % group
+        shared = torch.where(lead == idx, 0, torch.minimum(pos, pos[lead]).clamp(max=prompt))
+        self.qkv = torch.randn(rows, (n_heads + 2 * n_kv) * d, generator=g).to(dev, dtype)
+        ang = torch.arange(seq)[:, None] * torch.rand(d // 2, generator=g)[None]
+        self.cos = torch.cat([ang.cos(), ang.cos()], -1).to(dev, dtype)
+        self.ssin = torch.cat([-ang.sin(), ang.sin()], -1).to(dev, dtype)
+        gd = torch.Generator(device=dev).manual_seed(seed)  # caches drawn where they live: fast
+        kc = torch.randn(rows, n_kv, seq, d, generator=gd, device=dev).to(dtype)
+        vc = torch.randn(rows, n_kv, seq, d, generator=gd, device=dev).to(dtype)
+        held = (torch.arange(seq)[None] < shared[:, None]).to(dev)[:, None, :, None]
+        lead_d = lead.to(dev)
+        self.k_cache = torch.where(held, kc[lead_d], kc)
+        self.v_cache = torch.where(held, vc[lead_d], vc)
+        self.pos, self.lead, self.shared = pos.to(dev), lead_d, shared.to(dev)
+        self.n_heads = n_heads
+        el = self.k_cache.element_size()
+        # what the kernel must read: every row's own K/V (the new token's included), each group's
+        # shared prompt once; ``needed_bytes`` adds the q/k/v rows and the output
+        self.kv_bytes = 2 * n_kv * d * el * int((pos + 1 - shared).sum())
+        self.needed_bytes = self.kv_bytes + self.qkv.numel() * el + rows * n_heads * d * el
+        self.host_pos = pos
+
+    def cache_copies(self, total_bytes: int) -> list[tuple[Any, Any]]:
+        """The caches and enough clones of them to span ``total_bytes`` (at least two; one on the
+        CPU): timed round robin (:func:`cycling`), each call reads its caches from memory, not L2."""
+        if self.k_cache.device.type == "cpu":
+            return [(self.k_cache, self.v_cache)]
+        one = 2 * self.k_cache.numel() * self.k_cache.element_size()
+        n = max(2, -(-total_bytes // one))
+        return [(self.k_cache, self.v_cache)] + [
+            (self.k_cache.clone(), self.v_cache.clone()) for _ in range(n - 1)
+        ]
+
+
 def sync(device: Any) -> None:
     """Wait for the GPU's queued work (timings end here); nothing to wait for on the CPU."""
     import torch

@@ -251,34 +251,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def make_inputs(
-    rows: int, n_heads: int, n_kv: int, d: int, context: int, seq: int, dev: Any, sets: int, seed: int
-):
-    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
-    g = torch.Generator().manual_seed(seed)
-    gd = torch.Generator(device=dev).manual_seed(seed)
-    pos = torch.full((rows,), context)
-    if context >= 700:  # mixed lengths, as a rollout's rows are
-        pos = torch.randint(context // 2, 3 * context // 2, (rows,), generator=g).clamp(max=seq - 1)
-    lead = torch.arange(rows) - torch.arange(rows) % 8
-    shared = torch.where(lead == torch.arange(rows), 0, torch.minimum(pos, pos[lead]).clamp(max=64))
-    qkv = torch.randn(rows, (n_heads + 2 * n_kv) * d, generator=g).to(dev, dtype)
-    ang = torch.arange(seq)[:, None] * torch.rand(d // 2, generator=g)[None]
-    cos = torch.cat([ang.cos(), ang.cos()], -1).to(dev, dtype)
-    ssin = torch.cat([-ang.sin(), ang.sin()], -1).to(dev, dtype)
-    out = []
-    for _ in range(sets):
-        kc = torch.randn(rows, n_kv, seq, d, generator=gd, device=dev).to(dtype)
-        vc = torch.randn(rows, n_kv, seq, d, generator=gd, device=dev).to(dtype)
-        for r in range(rows):
-            n = int(shared[r])
-            if n:
-                kc[r, :, :n], vc[r, :, :n] = kc[lead[r], :, :n], vc[lead[r], :, :n]
-        out.append((qkv, cos, ssin, pos.to(dev), kc, vc, lead.to(dev), shared.to(dev)))
-    kv_bytes = 2 * n_kv * d * 2 * int((pos + 1 - shared).sum())
-    return out, kv_bytes
-
-
 def bench_attention(args: argparse.Namespace, dev: Any, read_bps: float) -> list[dict[str, Any]]:
     res = []
     shapes = [("0.5b", 14, 2, 64), ("1.5b", 12, 2, 128)]
@@ -288,9 +260,12 @@ def bench_attention(args: argparse.Namespace, dev: Any, read_bps: float) -> list
         for context in args.contexts:
             rows, seq = (8, 128) if args.smoke else (rows_, 320 if context < 320 else 2048)
             ctx = min(context, seq - 2) if not args.smoke else 40
-            sets, kv_bytes = make_inputs(
-                rows, n_heads, n_kv, d, ctx, seq, dev, 1 if args.smoke else args.sets, 0
-            )
+            inp = common.DecodeAttentionInputs(rows, n_heads, n_kv, d, ctx, seq, dev, mixed=ctx >= 700)
+            kv_bytes = inp.kv_bytes
+            sets = [
+                (inp.qkv, inp.cos, inp.ssin, inp.pos, k, v, inp.lead, inp.shared)
+                for k, v in inp.cache_copies(args.cold_bytes)
+            ]
             att = kernels.TritonDecodeAttention(rows, n_kv, n_heads // n_kv, d, seq, dev)
             want = None
             for name in args.variants:
@@ -416,7 +391,9 @@ def main() -> None:
     ap.add_argument("--rows-list", default="512")
     ap.add_argument("--sizes", default="0.5b,1.5b")
     ap.add_argument("--contexts", default="192,700")
-    ap.add_argument("--sets", type=int, default=4)
+    ap.add_argument(
+        "--cold-bytes", type=int, default=1 << 30, help="bytes of cache copies the timed calls cycle through"
+    )
     ap.add_argument("--variants", default=",".join(VARIANTS))
     ap.add_argument("--parts", default="attention,silu")
     ap.add_argument("--old-kernels", default="", help="another checkout's runtime/rollout/kernels.py")

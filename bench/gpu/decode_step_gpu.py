@@ -28,7 +28,6 @@ import argparse
 import functools
 import importlib.util
 import json
-import math
 import os
 import statistics
 import time
@@ -399,38 +398,15 @@ def bench_attention(
     cycle through copies of the caches (``COLD_BYTES``), so each reads from memory, not L2."""
     from rlkube.runtime.rollout import kernels
 
-    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
-    g = torch.Generator().manual_seed(0)
     group = n_heads // n_kv
     out: list[dict[str, Any]] = []
     for shape in shapes:
         rows, context, seq = ATTENTION_SHAPES[shape]
         if dev.type == "cpu":
             rows, context, seq = 8, 40, 128
-        if "long" in shape:
-            pos = torch.randint(context // 2, 3 * context // 2, (rows,), generator=g).clamp(max=seq - 1)
-        else:
-            pos = torch.full((rows,), context)
-        lead = torch.arange(rows) - torch.arange(rows) % GROUP
-        # below its group's first row's position (where no call writes), up to a 64-token prompt
-        shared = torch.where(lead == torch.arange(rows), 0, torch.minimum(pos, pos[lead]).clamp(max=64))
-        qkv = torch.randn(rows, (n_heads + 2 * n_kv) * d, generator=g).to(dev, dtype)
-        ang = torch.arange(seq)[:, None] * torch.rand(d // 2, generator=g)[None]
-        cos = torch.cat([ang.cos(), ang.cos()], -1).to(dev, dtype)
-        ssin = torch.cat([-ang.sin(), ang.sin()], -1).to(dev, dtype)
-        kc = torch.randn(rows, n_kv, seq, d, generator=g)
-        vc = torch.randn(rows, n_kv, seq, d, generator=g)
-        for r in range(rows):  # a group's rows hold the same prompt K/V (prefill wrote it to each)
-            n = int(shared[r])
-            kc[r, :, :n], vc[r, :, :n] = kc[lead[r], :, :n], vc[lead[r], :, :n]
-        kc, vc = kc.to(dev, dtype), vc.to(dev, dtype)
-        pos_d, lead_d, shared_d = pos.to(dev), lead.to(dev), shared.to(dev)
-        cache_bytes = 2 * kc.numel() * kc.element_size()
-        copies = 1 if dev.type == "cpu" else max(2, math.ceil(COLD_BYTES / cache_bytes))
-        caches = [(kc, vc)] + [(kc.clone(), vc.clone()) for _ in range(copies - 1)]
-        el = kc.element_size()
-        kv_bytes = 2 * n_kv * d * el * int((pos + 1 - shared).sum())  # own K/V, the new token's included
-        needed = kv_bytes + qkv.numel() * el + rows * n_heads * d * el
+        inp = common.DecodeAttentionInputs(rows, n_heads, n_kv, d, context, seq, dev, mixed="long" in shape)
+        caches = inp.cache_copies(COLD_BYTES)
+        needed = inp.needed_bytes
         want = None
         for name in names:
             cfg = ATTENTION_VARIANTS[name]
@@ -441,15 +417,15 @@ def bench_attention(
             if "grouped" in cfg:
                 att.grouped_min_rows, att.grouped_launch = 1, cfg["grouped"]
                 table = kernels.attention_group_tensors(
-                    lead.tolist(), shared.tolist(), rows, att.members, att.block_n
+                    inp.lead.tolist(), inp.shared.tolist(), rows, att.members, att.block_n
                 )
                 groups = tuple(t.to(dev) for t in table)
 
             split = att.max_seq if split == "direct" else split
             each = [
                 functools.partial(
-                    att.rope_attend, qkv, cos, ssin, pos_d, k, v, n_heads, split=split, share_row=lead_d,
-                    share_len=shared_d, groups=groups,
+                    att.rope_attend, inp.qkv, inp.cos, inp.ssin, inp.pos, k, v, n_heads, split=split,
+                    share_row=inp.lead, share_len=inp.shared, groups=groups,
                 )
                 for k, v in caches
             ]  # fmt: skip
@@ -467,7 +443,7 @@ def bench_attention(
             t = statistics.median(times)
             out.append({
                 "attention": shape, "variant": name, "heads": n_heads, "kv_heads": n_kv, "head_dim": d,
-                "rows": rows, "mean_context": float(pos.float().mean()), "cache_copies": len(caches),
+                "rows": rows, "mean_context": float(inp.host_pos.float().mean()), "cache_copies": len(caches),
                 "split": split or att.split_for(rows),
                 "us": 1e6 * t, "us_range": [1e6 * min(times), 1e6 * max(times)], "bytes_needed": needed,
                 "fraction_of_read_bound": needed / read_bps / t,
