@@ -13,6 +13,7 @@ started is killed on the way out, and a local Ray it started is shut down.
 
 from __future__ import annotations
 
+import faulthandler
 import functools
 import json
 import logging
@@ -59,6 +60,10 @@ def _scrub_sys_path() -> None:
 
 def _threads() -> None:
     import torch
+
+    # A native crash (SIGSEGV, SIGABRT from a corrupted heap) prints every thread's Python stack
+    # into the actor's log before the process dies; the driver repeats that log's tail (_Job._died).
+    faulthandler.enable(all_threads=True)
 
     torch.set_num_threads(int(os.environ.get("RLKUBE_TORCH_THREADS", "1")))
     from rlkube.runtime.train import configure_logging
@@ -176,6 +181,7 @@ class _Job:
         self.actors: dict[str, Any] = {}
         self.watches: dict[Any, str] = {}
         self.groups: list[Any] = []
+        self.pids: dict[str, int] = {}  # by label, once the actors said where they are
 
     def add(self, label: str, actor: Any) -> Any:
         self.actors[label] = actor
@@ -212,6 +218,10 @@ class _Job:
             cause = "exited"
         except Exception as e:
             cause = _cause(e)
+        tail = _log_tail(self.pids.get(label))
+        if tail:  # a crash's own words (faulthandler's stacks, glibc's abort message), kept apart
+            # from the one-line reason, which is what the RLJob's status shows
+            log.error("the last lines %s wrote before it died:\n%s", label, tail)
         return f"{label} died: {cause}"
 
     def dead(self) -> list[str]:
@@ -235,6 +245,30 @@ class _Job:
                 remove_placement_group(g)
             except Exception as e:
                 log.debug("remove placement group: %s", e)
+
+
+def _log_tail(pid: int | None, lines: int = 40) -> str:
+    """The end of the stderr log Ray keeps for the worker process ``pid``, when it ran on this
+    node (a dead actor's last words: Ray forwards them to the driver only until the job fails)."""
+    if pid is None:
+        return ""
+    try:
+        import ray
+
+        node: Any = ray._private.worker.global_worker.node  # this driver's Ray node
+        logs = Path(node.get_logs_dir_path())
+        found = sorted(logs.glob(f"worker-*-{pid}.err"), key=lambda f: f.stat().st_mtime)
+        if not found:
+            return ""
+        with found[-1].open("rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            text = f.read().decode("utf-8", "replace")
+    except Exception as e:  # another node's worker, or a Ray without these internals
+        log.debug("no log tail for pid %s: %s", pid, e)
+        return ""
+    kept = [x for x in text.splitlines() if x.strip()][-lines:]
+    return "\n".join(kept)
 
 
 def _cause(e: BaseException) -> str:
@@ -326,6 +360,7 @@ def run_on_ray(
                 + [r.call.remote("join_weight_groups", specs) for r in ranks]
             )
         where = run.get([a.where.remote() for a in [*ranks, *hosts]])
+        run.pids = {label: w["pid"] for label, w in zip(run.actors, where, strict=True)}
         _write_layout(out / LAYOUT_FILE, spec, lay, where, backend, collective)
         log.info(
             "%d trainer rank(s), %d rollout engine(s) (%s weight sync) up in %.1f s",

@@ -1,5 +1,6 @@
-"""A trainer rank or a rollout engine SIGKILLed mid-run: ``rlkube-train`` exits non-zero within 60 s
-naming which one, leaves no process behind, and a rerun resumes from the last DCP checkpoint with
+"""A trainer rank crashing natively (SIGSEGV) or a rollout engine SIGKILLed mid-run: ``rlkube-train``
+exits non-zero within 60 s naming which one (a crashed rank's own last words, every thread's Python
+stack, in its log), leaves no process behind, and a rerun resumes from the last DCP checkpoint with
 every step exactly once (two trainer ranks, two hf engines, separate_async, on a real local Ray)."""
 
 from __future__ import annotations
@@ -23,7 +24,10 @@ from .conftest import write_job
 from .test_ray_modes import wait_gone
 
 TOTAL = 8
-VICTIMS = {"trainer rank 1": ("ranks", 1), "rollout engine rollout-1": ("rollout", 1)}
+VICTIMS = {
+    "trainer rank 1": ("ranks", 1, signal.SIGSEGV),  # as a native crash in torch or gloo would
+    "rollout engine rollout-1": ("rollout", 1, signal.SIGKILL),  # as the OOM killer would
+}
 
 
 def _train(job: Path, out: Path, ray_tmp: str) -> subprocess.Popen[str]:
@@ -56,9 +60,9 @@ def test_a_killed_rank_or_engine_fails_the_job_by_name_and_a_rerun_resumes(
         rows = read_jsonl(metrics) if metrics.exists() else []
         if rows and rows[-1]["step"] >= 3:  # past the step-2 checkpoint
             layout = json.loads((out / LAYOUT_FILE).read_text())
-            kind, index = VICTIMS[victim]
+            kind, index, sig = VICTIMS[victim]
             pids = [w["pid"] for w in layout["ranks"] + layout["rollout"]]
-            os.kill(layout[kind][index]["pid"], signal.SIGKILL)
+            os.kill(layout[kind][index]["pid"], sig)
             killed_at = time.monotonic()
             break
         time.sleep(0.1)
@@ -72,6 +76,9 @@ def test_a_killed_rank_or_engine_fails_the_job_by_name_and_a_rerun_resumes(
     assert proc.returncode != 0
     assert took < 60, took
     assert victim in err, err[-3000:]
+    if sig == signal.SIGSEGV:  # the driver repeats the rank's last words: where each thread was
+        assert f"the last lines {victim} wrote before it died" in err, err[-3000:]
+        assert "Fatal Python error: Segmentation fault" in err and "File " in err, err[-3000:]
     left = wait_gone(ray_tmp, pids)
     assert not left, left
     done_steps = [r["step"] for r in read_jsonl(metrics)]
