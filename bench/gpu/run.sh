@@ -3,7 +3,7 @@
 # H200 with torch but no rlkube install, no Ray, no vLLM, no network).
 #   bash bench/gpu/run.sh [weights] [rollout] [trainer] [ipc] [decode-step] [linear-layers] [linear-rollout]
 #   [harvest-ab] [split-down-ab] [gated-ab] [grouped-ab] [overlap] [fold-ab] [attention-variants]
-#   (default: the first three)
+#   [kernels-ab] (default: the first three)
 # harvest-ab: the rollout with each chunk's tokens copied to the host behind it (the default) and
 # without (all read at collection), one after the other (harvest-ab/ under $out).
 # split-down-ab: the down projection split-K (hf_decode.split_k_partials): the residual GEMMs alone
@@ -27,6 +27,10 @@
 # attention-variants: the decode attention kernel's code variants against the engine's, the access
 # pattern's own bound, the SiLU per launch and the step's GEMMs split-K (attention_variants_gpu.py;
 # ATTENTION_VARIANTS_ARGS to change, e.g. "--old-kernels <checkout>/runtime/rollout/kernels.py").
+# kernels-ab: the rollout with this tree's kernels.py and with OLD_KERNELS (another version of
+# runtime/rollout/kernels.py, e.g. `git show <rev>:runtime/rollout/kernels.py > .ab/kernels.py`,
+# carried to the GPU machine), in alternating processes new, old, new, old (kernels-ab/new1 ...
+# under $out; KERNELS_AB_SHAPES, default rl; each process time-boxed to KERNELS_AB_SECONDS, 130).
 # linear-layers / linear-rollout: the fused linear kernel (rollout/decode_linear.py; off, slower on
 # an H100 at stop 29), in two calls of a few minutes each (linear-ab/ under $out): each layer alone against
 # cuBLAS per launch setting (64 and 512 rows) and the decode step with it on and off; then the
@@ -116,6 +120,19 @@ for bench in ${*:-weights rollout trainer}; do
         --attention default,grouped,grouped-w8 --attention-shapes b512,b64 --repeats 5 --no-capture-check \
         > "$out/grouped-ab/decode-step-gpu.log" || status=1
       rollout_ab grouped-ab 210 b512 --grouped-attention-min-rows 0 512 ;;
+    kernels-ab)
+      if [ ! -f "${OLD_KERNELS:-}" ]; then echo "kernels-ab needs OLD_KERNELS=<an old kernels.py>"; status=2; continue; fi
+      old=$(mktemp -d)  # this tree with the old kernels.py in place
+      tar -C "$top" --exclude=./.git --exclude=./bench/results -cf - . | tar -C "$old" -xf -
+      cp "$OLD_KERNELS" "$old/runtime/rollout/kernels.py"
+      for run in new1 old1 new2 old2; do
+        tree=$top; [ "${run#old}" != "$run" ] && tree=$old
+        mkdir -p "$out/kernels-ab/$run"
+        # the JSON has it all: logs to stdout (the device tool brings back at most 8 files)
+        OUT=$out/kernels-ab/$run timeout "${KERNELS_AB_SECONDS:-130}" python3 "$tree/bench/gpu/rollout_gpu.py" \
+          --skip-generate --sizes 1.5b,0.5b --shapes "${KERNELS_AB_SHAPES:-rl}" | tail -4 || status=1
+      done
+      rm -rf "$old" ;;
     linear-rollout)
       mkdir -p "$out/linear-ab/on"
       OUT=$out/linear-ab python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate \
