@@ -181,7 +181,7 @@ class _Job:
         self.actors: dict[str, Any] = {}
         self.watches: dict[Any, str] = {}
         self.groups: list[Any] = []
-        self.pids: dict[str, int] = {}  # by label, once the actors said where they are
+        self.where: dict[str, dict[str, Any]] = {}  # pid and node by label, once the actors said
 
     def add(self, label: str, actor: Any) -> Any:
         self.actors[label] = actor
@@ -218,7 +218,7 @@ class _Job:
             cause = "exited"
         except Exception as e:
             cause = _cause(e)
-        tail = _log_tail(self.pids.get(label))
+        tail = _log_tail(self.where.get(label, {}))
         if tail:  # a crash's own words (faulthandler's stacks, glibc's abort message), kept apart
             # from the one-line reason, which is what the RLJob's status shows
             log.error("the last lines %s wrote before it died:\n%s", label, tail)
@@ -247,14 +247,18 @@ class _Job:
                 log.debug("remove placement group: %s", e)
 
 
-def _log_tail(pid: int | None, lines: int = 40) -> str:
-    """The end of the stderr log Ray keeps for the worker process ``pid``, when it ran on this
-    node (a dead actor's last words: Ray forwards them to the driver only until the job fails)."""
+def _log_tail(where: dict[str, Any], lines: int = 40) -> str:
+    """The end of the stderr log Ray keeps for an actor's worker process (``where``: its pid and
+    node), when it ran on the driver's node (a dead actor's last words: Ray forwards them to the
+    driver only until the job fails)."""
+    pid = where.get("pid")
     if pid is None:
         return ""
     try:
         import ray
 
+        if where.get("node_id") != ray.get_runtime_context().get_node_id():
+            return ""  # its log is on another node (the pod's own logs keep it)
         node: Any = ray._private.worker.global_worker.node  # this driver's Ray node
         logs = Path(node.get_logs_dir_path())
         found = sorted(logs.glob(f"worker-*-{pid}.err"), key=lambda f: f.stat().st_mtime)
@@ -360,7 +364,7 @@ def run_on_ray(
                 + [r.call.remote("join_weight_groups", specs) for r in ranks]
             )
         where = run.get([a.where.remote() for a in [*ranks, *hosts]])
-        run.pids = {label: w["pid"] for label, w in zip(run.actors, where, strict=True)}
+        run.where = dict(zip(run.actors, where, strict=True))
         _write_layout(out / LAYOUT_FILE, spec, lay, where, backend, collective)
         log.info(
             "%d trainer rank(s), %d rollout engine(s) (%s weight sync) up in %.1f s",
