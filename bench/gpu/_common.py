@@ -148,7 +148,6 @@ class DecodeAttentionInputs:
         self.k_cache = torch.where(held, kc[lead_d], kc)
         self.v_cache = torch.where(held, vc[lead_d], vc)
         self.pos, self.lead, self.shared = pos.to(dev), lead_d, shared.to(dev)
-        self.n_heads = n_heads
         el = self.k_cache.element_size()
         # what the kernel must read: every row's own K/V (the new token's included), each group's
         # shared prompt once; ``needed_bytes`` adds the q/k/v rows and the output

@@ -404,7 +404,9 @@ def bench_attention(
         rows, context, seq = ATTENTION_SHAPES[shape]
         if dev.type == "cpu":
             rows, context, seq = 8, 40, 128
-        inp = common.DecodeAttentionInputs(rows, n_heads, n_kv, d, context, seq, dev, mixed="long" in shape)
+        inp = common.DecodeAttentionInputs(
+            rows, n_heads, n_kv, d, context, seq, dev, mixed="long" in shape, group=GROUP
+        )
         caches = inp.cache_copies(COLD_BYTES)
         needed = inp.needed_bytes
         want = None
