@@ -539,6 +539,37 @@ def test_a_step_records_running_rows_and_moves_on_only_those_that_continue() -> 
     assert cur_tok.tolist() == [11, 2, 3, 4] and pos.tolist() == [11, 20, 30, 40]
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
+def test_kv_rows_copied_as_words_carry_every_bit_of_the_element_copy(dtype: torch.dtype) -> None:
+    """Prefill and row moves copy K/V rows as 8-byte words (``hf_decode._put_rows``): the cache
+    after the copy equals the element-by-element copy bit for bit (NaN payloads included), for a
+    source that is a strided view of a larger tensor and for a cache copying its own rows."""
+    gen = torch.Generator().manual_seed(5)
+    bits = {torch.bfloat16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}[dtype]
+    info = torch.iinfo(bits)
+
+    def random_bits(*shape: int) -> torch.Tensor:
+        return torch.randint(info.min, info.max, shape, generator=gen, dtype=bits).view(dtype)
+
+    cache = random_bits(6, 2, 10, 8)
+    fused = random_bits(3, 5, 7, 8)  # [prompts, heads incl. others, positions, dim]
+    source = fused[:, 3:].transpose(1, 2).transpose(1, 2)  # a strided view: heads 3-4 of 5
+    rows, take = torch.tensor([4, 0, 2, 5]), torch.tensor([2, 0, 0, 1])
+    want = cache.clone()
+    want[rows, :, :7] = source[take]
+    got = cache.clone()
+    hf_decode._put_rows(got, rows, 7, source, take)
+    assert torch.equal(got.view(bits), want.view(bits))
+    want[torch.tensor([1, 3]), :, :4] = want[torch.tensor([4, 2]), :, :4]
+    hf_decode._put_rows(got, torch.tensor([1, 3]), 4, got, torch.tensor([4, 2]))
+    assert torch.equal(got.view(bits), want.view(bits))
+    words = hf_decode.as_words(cache)  # the same bytes, 8 to an element (float64 already is)
+    assert words.dtype in (torch.int64, torch.float64)
+    assert words.numel() * 8 == cache.numel() * cache.element_size()
+    odd = random_bits(2, 3)  # 3 elements of 2 or 4 bytes make no whole word: copied as they are
+    assert hf_decode.as_words(odd) is odd
+
+
 def test_the_attention_split_keeps_programs_long_and_splits_only_small_grids() -> None:
     """``split_for``: one program per row and KV head over the whole cache unless the grid would be
     small, then splits of at least ``MIN_SPLIT`` positions (the policy the attention-alone bench
