@@ -29,8 +29,10 @@
 # ATTENTION_VARIANTS_ARGS to change, e.g. "--old-kernels <checkout>/runtime/rollout/kernels.py").
 # kernels-ab: the rollout with this tree's kernels.py and with OLD_KERNELS (another version of
 # runtime/rollout/kernels.py, e.g. `git show <rev>:runtime/rollout/kernels.py > .ab/kernels.py`,
-# carried to the GPU machine), in alternating processes new, old, new, old (kernels-ab/new1 ...
-# under $out; KERNELS_AB_SHAPES, default rl; each process time-boxed to KERNELS_AB_SECONDS, 130).
+# carried to the GPU machine), or with OLD_OVERLAY (a folder of older files at their repo paths,
+# e.g. .ab/tree/runtime/rollout/hf_decode.py), in alternating processes new, old, new, old
+# (kernels-ab/new1 ... under $out; KERNELS_AB_SHAPES, default rl; each process time-boxed to
+# KERNELS_AB_SECONDS, 130).
 # linear-layers / linear-rollout: the fused linear kernel (rollout/decode_linear.py; off, slower on
 # an H100 at stop 29), in two calls of a few minutes each (linear-ab/ under $out): each layer alone against
 # cuBLAS per launch setting (64 and 512 rows) and the decode step with it on and off; then the
@@ -121,10 +123,13 @@ for bench in ${*:-weights rollout trainer}; do
         > "$out/grouped-ab/decode-step-gpu.log" || status=1
       rollout_ab grouped-ab 210 b512 --grouped-attention-min-rows 0 512 ;;
     kernels-ab)
-      if [ ! -f "${OLD_KERNELS:-}" ]; then echo "kernels-ab needs OLD_KERNELS=<an old kernels.py>"; status=2; continue; fi
-      old=$(mktemp -d)  # this tree with the old kernels.py in place
+      if [ ! -f "${OLD_KERNELS:-}" ] && [ ! -d "${OLD_OVERLAY:-}" ]; then
+        echo "kernels-ab needs OLD_KERNELS=<an old kernels.py> or OLD_OVERLAY=<a folder of old files>"; status=2; continue
+      fi
+      old=$(mktemp -d)  # this tree with the old files in place
       tar -C "$top" --exclude=./.git --exclude=./bench/results -cf - . | tar -C "$old" -xf -
-      cp "$OLD_KERNELS" "$old/runtime/rollout/kernels.py"
+      [ -f "${OLD_KERNELS:-}" ] && cp "$OLD_KERNELS" "$old/runtime/rollout/kernels.py"
+      [ -d "${OLD_OVERLAY:-}" ] && cp -r "$OLD_OVERLAY/." "$old/"
       for run in new1 old1 new2 old2; do
         tree=$top; [ "${run#old}" != "$run" ] && tree=$old
         mkdir -p "$out/kernels-ab/$run"
