@@ -172,7 +172,7 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
         graphs_compiled = counters["stats"]["unique_graphs"] - graphs_compiled0
         d = engine.decoder
         d.steps_by_bucket.clear()
-        moved0, prefill0 = d.rows_moved, d.prefill_forwards
+        moved0, prefill0, padded0 = d.rows_moved, d.prefill_forwards, d.prefill_padded_tokens
         routes0, reads0 = dict(engine.tokens_by_route), dict(engine.flag_reads)
         reqs = make_requests("q", vocab, p_lens, r_lens, samples, seed=1)
         reset_peak(dev)
@@ -242,6 +242,7 @@ def run_engine(model: Any, shape: str, args: argparse.Namespace, dev: torch.devi
             "steps_by_bucket": dict(sorted(d.steps_by_bucket.items())),
             "rows_moved": d.rows_moved - moved0,
             "prefill_forwards": d.prefill_forwards - prefill0,
+            "prefill_padded_tokens": d.prefill_padded_tokens - padded0,
             "sync_every": engine.sync_every,
             "flag_lag": engine.flag_lag,
             "sampling": engine.decoder.sampling,

@@ -362,6 +362,7 @@ class StaticDecoder:
         self.capture_seconds: dict[int, float] = {}  # host seconds per bucket: compile, warm-up, capture
         self.rows_moved = 0
         self.prefill_forwards = 0
+        self.prefill_padded_tokens = 0  # prompt positions the prefill ran, padding included
 
     def _use_eager_functions(self) -> None:
         """The step's pure functions as plain PyTorch (``torch.compile`` wraps them on CUDA)."""
@@ -632,7 +633,9 @@ class StaticDecoder:
         Prompts go through together (right-padded to the longest of a chunk of at most
         ``max_prefill_tokens`` padded tokens): causal attention never lets a real position see
         the padding after it, so every real position's KV and the last position's logits are
-        exact. Returns last-position logits ``[len(prompts), V]`` in the model dtype.
+        exact. Chunks take the prompts in order of length, so a chunk pads little (RL prompts
+        of 65-320 tokens padded in arrival order cost 1.6x their FLOPs). Returns last-position
+        logits ``[len(prompts), V]`` in the model dtype, in the order of ``prompts``.
         """
         if len(prompts) != len(slot_groups):
             raise ValueError("one slot group per prompt")
@@ -640,7 +643,7 @@ class StaticDecoder:
             if not 0 < len(p) < self.S:
                 raise ValueError(f"prompt length {len(p)} must be in [1, {self.S - 1}]")
         out: list[torch.Tensor] = []
-        order = list(range(len(prompts)))
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         start = 0
         while start < len(order):
             end, longest = start, 0
@@ -660,11 +663,18 @@ class StaticDecoder:
             except Exception:  # inductor/triton failures surface as many exception types
                 self._go_eager("prefill")
                 out.append(self._prefill_chunk(*args))
-        return torch.cat(out)
+        logits = torch.cat(out)
+        if order == sorted(order):
+            return logits
+        back = [0] * len(order)  # row of each prompt in the sorted logits
+        for row, i in enumerate(order):
+            back[i] = row
+        return logits[to_device(torch.tensor(back), self.device)]
 
     def _prefill_chunk(self, prompts: list[Sequence[int]], groups: list[Sequence[int]]) -> torch.Tensor:
         g, P, D, dev = len(prompts), max(len(p) for p in prompts), self.head_dim, self.device
         self.prefill_forwards += 1
+        self.prefill_padded_tokens += g * P
         # one host-to-device copy for the padded ids, lengths, slots and their prompts: a copy from
         # pageable memory waits for the stream, so one before any kernel, none between them
         host: list[int] = [t for p in prompts for t in (*p, *[0] * (P - len(p)))]

@@ -69,7 +69,21 @@ def test_batched_prefill_equals_one_prompt_at_a_time(model: Any) -> None:
     # a small token budget splits the prompts into several forwards with the same result
     chunked = StaticDecoder(model, num_slots=6, max_seq_len=32, max_new_tokens=8, max_prefill_tokens=8)
     assert torch.allclose(chunked.prefill(prompts, groups), logits, atol=1e-5)
-    assert chunked.prefill_forwards == 2  # [7 tokens] then [2, 4 tokens padded to 4]: 8 each
+    assert chunked.prefill_forwards == 2  # [2, 4 tokens padded to 4] then [7 tokens]: 8 each
+
+
+def test_prefill_chunks_take_prompts_by_length_so_little_is_padding(model: Any) -> None:
+    """Prompts of 2, 30, 3 and 29 tokens under a 64-token budget: in arrival order the chunks
+    would be [2, 30] and [3, 29], 118 positions run; by length they are [2, 3] and [29, 30], 66.
+    The logits still come back in the prompts' order."""
+    prompts = [[1 + t % 7 for t in range(n)] for n in (2, 30, 3, 29)]
+    groups = [[0], [1], [2], [3]]
+    dec = StaticDecoder(model, num_slots=4, max_seq_len=40, max_new_tokens=4, max_prefill_tokens=64)
+    logits = dec.prefill(prompts, groups)
+    assert (dec.prefill_forwards, dec.prefill_padded_tokens) == (2, 2 * 3 + 2 * 30)
+    alone = StaticDecoder(model, num_slots=4, max_seq_len=40, max_new_tokens=4)
+    for i, (p, g) in enumerate(zip(prompts, groups, strict=True)):
+        assert torch.allclose(logits[i], alone.prefill([p], [g])[0], atol=1e-5)
 
 
 def test_one_prefill_per_prompt_group(model: Any) -> None:
