@@ -31,8 +31,8 @@
 # runtime/rollout/kernels.py, e.g. `git show <rev>:runtime/rollout/kernels.py > .ab/kernels.py`,
 # carried to the GPU machine), or with OLD_OVERLAY (a folder of older files at their repo paths,
 # e.g. .ab/tree/runtime/rollout/hf_decode.py), in alternating processes new, old, new, old
-# (kernels-ab/new1 ... under $out; KERNELS_AB_RUNS to change the order, KERNELS_AB_SHAPES, default
-# rl; each process time-boxed to KERNELS_AB_SECONDS, 130).
+# (kernels-ab/new1 ... under $out; KERNELS_AB_RUNS to change the order, KERNELS_AB_SIZES and
+# KERNELS_AB_SHAPES, default 1.5b,0.5b and rl; each process time-boxed to KERNELS_AB_SECONDS, 130).
 # linear-layers / linear-rollout: the fused linear kernel (rollout/decode_linear.py; off, slower on
 # an H100 at stop 29), in two calls of a few minutes each (linear-ab/ under $out): each layer alone against
 # cuBLAS per launch setting (64 and 512 rows) and the decode step with it on and off; then the
@@ -135,7 +135,7 @@ for bench in ${*:-weights rollout trainer}; do
         mkdir -p "$out/kernels-ab/$run"
         # the JSON has it all: logs to stdout (the device tool brings back at most 8 files)
         OUT=$out/kernels-ab/$run timeout "${KERNELS_AB_SECONDS:-130}" python3 "$tree/bench/gpu/rollout_gpu.py" \
-          --skip-generate --sizes 1.5b,0.5b --shapes "${KERNELS_AB_SHAPES:-rl}" | tail -4 || status=1
+          --skip-generate --sizes "${KERNELS_AB_SIZES:-1.5b,0.5b}" --shapes "${KERNELS_AB_SHAPES:-rl}" | tail -4 || status=1
       done
       rm -rf "$old" ;;
     linear-rollout)
