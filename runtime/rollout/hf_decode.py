@@ -633,8 +633,9 @@ class StaticDecoder:
         Prompts go through together (right-padded to the longest of a chunk of at most
         ``max_prefill_tokens`` padded tokens): causal attention never lets a real position see
         the padding after it, so every real position's KV and the last position's logits are
-        exact. Chunks take the prompts in order of length, so a chunk pads little (RL prompts
-        of 65-320 tokens padded in arrival order cost 1.6x their FLOPs). Returns last-position
+        exact. Chunks take the prompts in order of length, so a chunk pads less (the rl bench's
+        prompts of 65-320 tokens: 1.59x their positions in arrival order, 1.50x sorted; a chunk
+        still pads to its longest prompt). Returns last-position
         logits ``[len(prompts), V]`` in the model dtype, in the order of ``prompts``.
         """
         if len(prompts) != len(slot_groups):
