@@ -635,8 +635,8 @@ class StaticDecoder:
         the padding after it, so every real position's KV and the last position's logits are
         exact. Chunks take the prompts in order of length, so a chunk pads less (the rl bench's
         prompts of 65-320 tokens: 1.59x their positions in arrival order, 1.50x sorted; a chunk
-        still pads to its longest prompt). Returns last-position
-        logits ``[len(prompts), V]`` in the model dtype, in the order of ``prompts``.
+        still pads to its longest prompt). Returns last-position logits ``[len(prompts), V]`` in
+        the model dtype, in the order of ``prompts``.
         """
         if len(prompts) != len(slot_groups):
             raise ValueError("one slot group per prompt")
