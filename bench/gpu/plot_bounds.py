@@ -4,7 +4,9 @@
 
 Reads ``rollout-gpu.json`` (decode: ``fraction_of_bound`` per model and shape) and
 ``trainer-gpu.json`` (``mfu_update`` per model and job); a file the folder lacks (a device run of
-one bench) comes from ``bench/results/``, the committed figures. Runs anywhere matplotlib does.
+one bench) comes from ``bench/results/``, the committed figures, and the plot then says so: each
+panel names the card its figures came from, since a fraction measured on one card does not stand
+for another's. Runs anywhere matplotlib does.
 """
 
 from __future__ import annotations
@@ -23,10 +25,16 @@ MFU_TARGETS = {("0.5b", "today"): 0.30, ("1.5b", "today"): 0.40}
 RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
-def load(folder: Path, name: str) -> dict:
-    """``folder/name``, else the committed ``bench/results/name``."""
-    path = folder / name if (folder / name).exists() else RESULTS / name
-    return json.loads(path.read_text())
+def load(folder: Path, name: str) -> tuple[dict, str]:
+    """``folder/name``, else the committed ``bench/results/name``; with where it came from."""
+    if (folder / name).exists():
+        return json.loads((folder / name).read_text()), "this run"
+    return json.loads((RESULTS / name).read_text()), f"committed {name}"
+
+
+def card(report: dict) -> str:
+    """The card's short name (``NVIDIA H100 80GB HBM3`` -> ``H100 80GB HBM3``)."""
+    return str(report["device"]).removeprefix("NVIDIA ")
 
 
 def main(argv: list[str]) -> int:
@@ -36,7 +44,10 @@ def main(argv: list[str]) -> int:
     import matplotlib.pyplot as plt
 
     folder = Path(argv[0]) if argv else RESULTS
-    rollout, trainer = load(folder, "rollout-gpu.json"), load(folder, "trainer-gpu.json")
+    (rollout, rollout_from), (trainer, trainer_from) = (
+        load(folder, "rollout-gpu.json"),
+        load(folder, "trainer-gpu.json"),
+    )
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [3, 2]})
 
     labels, vals, targets = [], [], []
@@ -57,7 +68,10 @@ def main(argv: list[str]) -> int:
     ax1.set_ylabel("% of min(memory, compute) bound")
     ax1.set_ylim(0, 100)
     read, gemm = rollout["read_bandwidth_gbs"] / 1e3, rollout["gemm_tflops"]
-    ax1.set_title(f"hf engine decode (read {read:.2f} TB/s, GEMM {gemm:.0f} TFLOP/s)", fontsize=9)
+    ax1.set_title(
+        f"hf engine decode, {card(rollout)} ({rollout_from}; read {read:.2f} TB/s, GEMM {gemm:.0f} TFLOP/s)",
+        fontsize=8,
+    )
 
     labels, vals, targets = [], [], []
     for e in trainer["results"]:
@@ -76,8 +90,14 @@ def main(argv: list[str]) -> int:
     ax2.set_xticks(list(xs), labels, fontsize=8)
     ax2.set_ylabel("update MFU, % of measured GEMM rate")
     ax2.set_ylim(0, 100)
-    ax2.set_title(f"GRPO update (GEMM {trainer['gemm_tflops']:.0f} TFLOP/s); dashed: targets", fontsize=9)
-    fig.suptitle(f"{rollout['device']}, torch {rollout['torch']}: fractions of the honest bound", fontsize=10)
+    ax2.set_title(
+        f"GRPO update, {card(trainer)} ({trainer_from}; GEMM {trainer['gemm_tflops']:.0f} TFLOP/s)",
+        fontsize=8,
+    )
+    devices = rollout["device"] if rollout["device"] == trainer["device"] else "two cards (see each panel)"
+    fig.suptitle(
+        f"{devices}, torch {rollout['torch']}: fractions of the honest bound; dashed: targets", fontsize=10
+    )
     fig.tight_layout()
     out = folder / "gpu-bounds.png"
     fig.savefig(out, dpi=110)
