@@ -28,7 +28,7 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"
 def load(folder: Path, name: str) -> tuple[dict, str]:
     """``folder/name``, else the committed ``bench/results/name``; with where it came from."""
     if (folder / name).exists():
-        return json.loads((folder / name).read_text()), "this run"
+        return json.loads((folder / name).read_text()), "this folder"
     return json.loads((RESULTS / name).read_text()), f"committed {name}"
 
 
