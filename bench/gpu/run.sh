@@ -10,6 +10,9 @@
 # per split at 512 rows, the 512-row step per split (partials summed in the next norm, or "-sep" by
 # their own kernel), then the rollout without it and with it (2 and 4 slices) for buckets of >= 256
 # rows (split-down-ab/ under $out).
+# split-down-b64-ab: the b64 rollout with the down projection as cuBLAS runs it (its own split-K and
+# reduce kernel at 64 rows) and split by hf_decode.split_k_partials (the partials summed in the next
+# norm, so the reduce kernel and its gap go) for buckets of >= 64 rows (split-down-b64-ab/ under $out).
 # gated-ab: gate/up + SiLU as one Triton GEMM with the SiLU in its epilogue (hf_decode's
 # gated_min_rows): the layer alone at 256 and 512 rows per launch against cuBLAS + the SiLU kernel
 # and against the bare GEMM, the 512-row step with it off and on, then the b512 rollout off and on
@@ -84,6 +87,7 @@ for bench in ${*:-weights rollout trainer}; do
       OUT=$out python3 "$top/bench/gpu/attention_variants_gpu.py" ${ATTENTION_VARIANTS_ARGS:-} \
         > "$out/attention-variants-gpu.log" || status=1 ;;
     fold-ab) rollout_ab fold-ab 280 b512,b64 --fold-mlp-norm off on ;;
+    split-down-b64-ab) rollout_ab split-down-b64-ab 150 b64 --down-split-min-rows 0 64 ;;
     linear-layers)
       mkdir -p "$out/linear-ab"
       OUT=$out/linear-ab python3 "$top/bench/gpu/decode_step_gpu.py" --sizes 0.5b,1.5b --rows 64,512 \
