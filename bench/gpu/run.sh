@@ -12,7 +12,8 @@
 # rows (split-down-ab/ under $out).
 # split-down-b64-ab: the b64 rollout with the down projection as cuBLAS runs it (its own split-K and
 # reduce kernel at 64 rows) and split by hf_decode.split_k_partials (the partials summed in the next
-# norm, so the reduce kernel and its gap go) for buckets of >= 64 rows (split-down-b64-ab/ under $out).
+# norm, so the reduce kernel and its gap go) for buckets of >= 64 rows, two pairs of processes
+# off, on, off, on (split-down-b64-ab/off1 ... on2 under $out; about 8 minutes).
 # gated-ab: gate/up + SiLU as one Triton GEMM with the SiLU in its epilogue (hf_decode's
 # gated_min_rows): the layer alone at 256 and 512 rows per launch against cuBLAS + the SiLU kernel
 # and against the bare GEMM, the 512-row step with it off and on, then the b512 rollout off and on
@@ -25,8 +26,8 @@
 # folded into the gate/up weight, against all rows on one stream (overlap_gpu.py; 1.5b and 0.5b
 # at 512 rows, OVERLAP_ARGS to change).
 # fold-ab: the b512 and b64 rollout with the decode step's MLP norm unfolded, then folded
-# (hf_decode's fold_mlp_norm; fold-ab/ and fold-ab/on under $out; stop 41's results, in
-# bench/results/h100-stop41/fold-ab/, were taken into off/ and on/).
+# (hf_decode's fold_mlp_norm; fold-ab/off1 and fold-ab/on1 under $out, one pair to fit a 600 s
+# call; AB_PAIRS=2 for two; stop 41's results, in bench/results/h100-stop41/fold-ab/, are in off/ and on/).
 # attention-variants: the decode attention kernel's code variants against the engine's, the access
 # pattern's own bound, the SiLU per launch and the step's GEMMs split-K (attention_variants_gpu.py;
 # ATTENTION_VARIANTS_ARGS to change, e.g. "--old-kernels <checkout>/runtime/rollout/kernels.py").
@@ -62,16 +63,21 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
 
 status=0
-# The rollout at both sizes with one setting off, then on: rollout_ab DIR SECONDS SHAPES FLAG OFF ON
-# runs rollout_gpu.py on SHAPES with "FLAG OFF" into $out/DIR and "FLAG ON" into $out/DIR/on, each
-# process time-boxed to SECONDS.
+# The rollout at both sizes with one setting off and on in alternating processes:
+# rollout_ab DIR SECONDS SHAPES FLAG OFF ON PAIRS runs rollout_gpu.py on SHAPES with "FLAG OFF" into
+# $out/DIR/off1 and "FLAG ON" into $out/DIR/on1, then off2, on2 ... up to PAIRS (AB_PAIRS overrides
+# it), each process time-boxed to SECONDS. Alternating pairs show the spread between processes
+# (1-2% at b64), which one pair cannot tell from the setting's effect.
 rollout_ab() {
-  local dir=$1 limit=$2 shapes=$3 flag=$4 off=$5 on=$6
-  mkdir -p "$out/$dir/on"
-  OUT=$out/$dir timeout "$limit" python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate --sizes 1.5b,0.5b \
-    --shapes "$shapes" "$flag" "$off" > "$out/$dir/rollout-gpu.log" || status=1
-  OUT=$out/$dir/on timeout "$limit" python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate --sizes 1.5b,0.5b \
-    --shapes "$shapes" "$flag" "$on" > "$out/$dir/on/rollout-gpu.log" || status=1
+  local dir=$1 limit=$2 shapes=$3 flag=$4 off=$5 on=$6 pairs=${AB_PAIRS:-$7} i run value
+  for ((i = 1; i <= pairs; i++)); do
+    for run in "off$i:$off" "on$i:$on"; do
+      value=${run#*:}
+      mkdir -p "$out/$dir/${run%%:*}"
+      OUT=$out/$dir/${run%%:*} timeout "$limit" python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate \
+        --sizes 1.5b,0.5b --shapes "$shapes" "$flag" "$value" > "$out/$dir/${run%%:*}/rollout-gpu.log" || status=1
+    done
+  done
 }
 
 for bench in ${*:-weights rollout trainer}; do
@@ -86,8 +92,8 @@ for bench in ${*:-weights rollout trainer}; do
     attention-variants)
       OUT=$out python3 "$top/bench/gpu/attention_variants_gpu.py" ${ATTENTION_VARIANTS_ARGS:-} \
         > "$out/attention-variants-gpu.log" || status=1 ;;
-    fold-ab) rollout_ab fold-ab 280 b512,b64 --fold-mlp-norm off on ;;
-    split-down-b64-ab) rollout_ab split-down-b64-ab 150 b64 --down-split-min-rows 0 64 ;;
+    fold-ab) rollout_ab fold-ab 280 b512,b64 --fold-mlp-norm off on 1 ;;
+    split-down-b64-ab) rollout_ab split-down-b64-ab 130 b64 --down-split-min-rows 0 64 2 ;;
     linear-layers)
       mkdir -p "$out/linear-ab"
       OUT=$out/linear-ab python3 "$top/bench/gpu/decode_step_gpu.py" --sizes 0.5b,1.5b --rows 64,512 \
@@ -119,13 +125,13 @@ for bench in ${*:-weights rollout trainer}; do
         --configs default,gated,gated-t64x128,gated-t128x64,default --repeats 3 --no-capture-check \
         --linear t128,t128s4,t64x128,t128x64,t128x64w8,t64x256,gemm-only --linear-rows 512,256 \
         --linear-layers gated > "$out/gated-ab/decode-step-gpu.log" || status=1
-      rollout_ab gated-ab 140 b512 --gated-min-rows 0 256 ;;
+      rollout_ab gated-ab 140 b512 --gated-min-rows 0 256 1 ;;
     grouped-ab)
       mkdir -p "$out/grouped-ab"
       OUT=$out/grouped-ab timeout 120 python3 "$top/bench/gpu/decode_step_gpu.py" --sizes= --rows 64 \
         --attention default,grouped,grouped-w8 --attention-shapes b512,b64 --repeats 5 --no-capture-check \
         > "$out/grouped-ab/decode-step-gpu.log" || status=1
-      rollout_ab grouped-ab 210 b512 --grouped-attention-min-rows 0 512 ;;
+      rollout_ab grouped-ab 210 b512 --grouped-attention-min-rows 0 512 1 ;;
     kernels-ab)
       if [ ! -f "${OLD_KERNELS:-}" ] && [ ! -d "${OLD_OVERLAY:-}" ]; then
         echo "kernels-ab needs OLD_KERNELS=<an old kernels.py> or OLD_OVERLAY=<a folder of old files>"; status=2; continue
