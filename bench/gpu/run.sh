@@ -63,20 +63,26 @@ fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null || true
 
 status=0
+# One rollout_gpu.py process: rollout_in DIR SECONDS TREE ARGS... runs TREE's rollout_gpu.py
+# --skip-generate ARGS into $out/DIR, time-boxed to SECONDS. The JSON has it all, so the log's tail
+# goes to stdout rather than to a file (the device tool brings back at most 8 files).
+rollout_in() {
+  local dir=$out/$1 limit=$2 tree=$3
+  shift 3
+  mkdir -p "$dir"
+  OUT=$dir timeout "$limit" python3 "$tree/bench/gpu/rollout_gpu.py" --skip-generate "$@" | tail -4 || status=1
+}
+
 # The rollout at both sizes with one setting off and on in alternating processes:
 # rollout_ab DIR SECONDS SHAPES FLAG OFF ON PAIRS runs rollout_gpu.py on SHAPES with "FLAG OFF" into
 # $out/DIR/off1 and "FLAG ON" into $out/DIR/on1, then off2, on2 ... up to PAIRS (AB_PAIRS overrides
 # it), each process time-boxed to SECONDS. Alternating pairs show the spread between processes
 # (1-2% at b64), which one pair cannot tell from the setting's effect.
 rollout_ab() {
-  local dir=$1 limit=$2 shapes=$3 flag=$4 off=$5 on=$6 pairs=${AB_PAIRS:-$7} i run value
+  local dir=$1 limit=$2 shapes=$3 flag=$4 off=$5 on=$6 pairs=${AB_PAIRS:-$7} i
   for ((i = 1; i <= pairs; i++)); do
-    for run in "off$i:$off" "on$i:$on"; do
-      value=${run#*:}
-      mkdir -p "$out/$dir/${run%%:*}"
-      OUT=$out/$dir/${run%%:*} timeout "$limit" python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate \
-        --sizes 1.5b,0.5b --shapes "$shapes" "$flag" "$value" > "$out/$dir/${run%%:*}/rollout-gpu.log" || status=1
-    done
+    rollout_in "$dir/off$i" "$limit" "$top" --sizes 1.5b,0.5b --shapes "$shapes" "$flag" "$off"
+    rollout_in "$dir/on$i" "$limit" "$top" --sizes 1.5b,0.5b --shapes "$shapes" "$flag" "$on"
   done
 }
 
@@ -115,9 +121,7 @@ for bench in ${*:-weights rollout trainer}; do
       OUT=$out/split-down-ab timeout 110 python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate --sizes 1.5b,0.5b --shapes b512 \
         --down-split-min-rows 0 > "$out/split-down-ab/rollout-gpu.log" || status=1
       for k in 2 4; do
-        mkdir -p "$out/split-down-ab/on-k$k"
-        OUT=$out/split-down-ab/on-k$k timeout 110 python3 "$top/bench/gpu/rollout_gpu.py" --skip-generate --sizes 1.5b,0.5b \
-          --shapes b512 --down-split-min-rows 256 --down-split-k $k | tail -3 || status=1  # the JSON has it all
+        rollout_in "split-down-ab/on-k$k" 110 "$top" --sizes 1.5b,0.5b --shapes b512 --down-split-min-rows 256 --down-split-k $k
       done ;;
     gated-ab)
       mkdir -p "$out/gated-ab"
@@ -142,10 +146,8 @@ for bench in ${*:-weights rollout trainer}; do
       [ -d "${OLD_OVERLAY:-}" ] && cp -r "$OLD_OVERLAY/." "$old/"
       for run in ${KERNELS_AB_RUNS:-new1 old1 new2 old2}; do
         tree=$top; [ "${run#old}" != "$run" ] && tree=$old
-        mkdir -p "$out/kernels-ab/$run"
-        # the JSON has it all: logs to stdout (the device tool brings back at most 8 files)
-        OUT=$out/kernels-ab/$run timeout "${KERNELS_AB_SECONDS:-130}" python3 "$tree/bench/gpu/rollout_gpu.py" \
-          --skip-generate --sizes "${KERNELS_AB_SIZES:-1.5b,0.5b}" --shapes "${KERNELS_AB_SHAPES:-rl}" | tail -4 || status=1
+        rollout_in "kernels-ab/$run" "${KERNELS_AB_SECONDS:-130}" "$tree" \
+          --sizes "${KERNELS_AB_SIZES:-1.5b,0.5b}" --shapes "${KERNELS_AB_SHAPES:-rl}"
       done
       rm -rf "$old" ;;
     linear-rollout)
