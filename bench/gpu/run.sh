@@ -13,7 +13,8 @@
 # split-down-b64-ab: the b64 rollout with the down projection as cuBLAS runs it (its own split-K and
 # reduce kernel at 64 rows) and split by hf_decode.split_k_partials (the partials summed in the next
 # norm, so the reduce kernel and its gap go) for buckets of >= 64 rows, two pairs of processes
-# off, on, off, on (split-down-b64-ab/off1 ... on2 under $out; about 8 minutes).
+# off, on, off, on (split-down-b64-ab/off1 ... on2 under $out; each process time-boxed to 130 s,
+# so the four fit one 600 s device call).
 # gated-ab: gate/up + SiLU as one Triton GEMM with the SiLU in its epilogue (hf_decode's
 # gated_min_rows): the layer alone at 256 and 512 rows per launch against cuBLAS + the SiLU kernel
 # and against the bare GEMM, the 512-row step with it off and on, then the b512 rollout off and on
